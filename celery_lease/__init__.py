@@ -1,0 +1,26 @@
+"""celery-lease: database leases for Celery tasks.
+
+Every run of a ``LeasedTask`` is owned by one worker at a time, renewed by a
+heartbeat thread, and recorded with a statement guarded by owner and attempt.
+"""
+
+from .app import install
+from .config import LeaseConfig
+from .errors import LeaseBusy, LeaseError, LeaseLost, RunCancelled
+from .lease import Lease, current_lease
+from .store import LeaseStore
+from .task import LeasedTask
+
+__all__ = [
+    "Lease",
+    "LeaseBusy",
+    "LeaseConfig",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseStore",
+    "LeasedTask",
+    "RunCancelled",
+    "current_lease",
+    "install",
+]
+__version__ = "0.1.0"

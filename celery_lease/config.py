@@ -1,0 +1,231 @@
+"""Settings: the ``lease_*`` keys of ``app.conf``, overridable per task.
+
+:meth:`LeaseConfig.from_app` validates every value and raises
+:class:`celery.exceptions.ImproperlyConfigured` naming the offending key.
+``install(app)`` runs that validation in a worker bootstep, so a worker with a
+bad setting exits before it forks its pool instead of failing mid-task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+BUSY_POLICIES = ("retry", "skip", "fail")
+LOST_POLICIES = ("retry", "abort")
+SUPPORTED_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb")
+
+DEFAULT_SQLITE_FILE = "celery-lease.sqlite3"
+
+KeyFunc = Callable[..., Any]
+
+#: Setting names a task may override with a class attribute of the same name.
+SETTING_NAMES = (
+    "lease_database_url",
+    "lease_seconds",
+    "lease_heartbeat_interval",
+    "lease_max_attempts",
+    "lease_retry_backoff",
+    "lease_retry_backoff_max",
+    "lease_busy_policy",
+    "lease_lost_policy",
+    "lease_interrupt",
+    "lease_key",
+    "lease_concurrency_key",
+    "lease_max_concurrency",
+    "lease_sweep_interval",
+)
+
+
+def default_database_url() -> str:
+    """A SQLite file in the current working directory, as an absolute URL."""
+    return "sqlite:///" + os.path.abspath(DEFAULT_SQLITE_FILE)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseConfig:
+    """Validated lease settings. Build with :meth:`from_app` or :meth:`from_mapping`."""
+
+    database_url: str
+    lease_seconds: float = 30.0
+    heartbeat_interval: float = 10.0
+    max_attempts: int = 5
+    retry_backoff: float = 2.0
+    retry_backoff_max: float = 600.0
+    busy_policy: str = "retry"
+    lost_policy: str = "retry"
+    interrupt: bool = True
+    key: KeyFunc | None = None
+    concurrency_key: KeyFunc | None = None
+    max_concurrency: int | None = None
+    sweep_interval: float = 60.0
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease length in milliseconds, as stored in the run row."""
+        return max(1, round(self.lease_seconds * 1000))
+
+    @classmethod
+    def from_mapping(cls, conf: Mapping[str, Any]) -> LeaseConfig:
+        """Validate ``lease_*`` keys from any mapping (``app.conf``, a dict)."""
+        lease_seconds = _positive(conf, "lease_seconds", 30.0)
+        heartbeat = conf.get("lease_heartbeat_interval")
+        heartbeat_interval = (
+            lease_seconds / 3.0
+            if heartbeat is None
+            else _positive(conf, "lease_heartbeat_interval", heartbeat)
+        )
+        if heartbeat_interval >= lease_seconds:
+            raise ImproperlyConfigured(
+                f"lease_heartbeat_interval ({heartbeat_interval!r}) must be shorter than "
+                f"lease_seconds ({lease_seconds!r}): a lease would expire between renewals"
+            )
+        backoff = _positive(conf, "lease_retry_backoff", 2.0)
+        backoff_max = _positive(conf, "lease_retry_backoff_max", 600.0)
+        if backoff_max < backoff:
+            raise ImproperlyConfigured(
+                f"lease_retry_backoff_max ({backoff_max!r}) must be >= "
+                f"lease_retry_backoff ({backoff!r})"
+            )
+        max_concurrency = conf.get("lease_max_concurrency")
+        if max_concurrency is not None:
+            max_concurrency = _positive_int(conf, "lease_max_concurrency")
+        return cls(
+            database_url=_database_url(conf.get("lease_database_url")),
+            lease_seconds=lease_seconds,
+            heartbeat_interval=heartbeat_interval,
+            max_attempts=_positive_int(conf, "lease_max_attempts", 5),
+            retry_backoff=backoff,
+            retry_backoff_max=backoff_max,
+            busy_policy=_choice(conf, "lease_busy_policy", BUSY_POLICIES),
+            lost_policy=_choice(conf, "lease_lost_policy", LOST_POLICIES),
+            interrupt=_boolean(conf, "lease_interrupt", True),
+            key=_callable(conf, "lease_key"),
+            concurrency_key=_callable(conf, "lease_concurrency_key"),
+            max_concurrency=max_concurrency,
+            sweep_interval=_positive(conf, "lease_sweep_interval", 60.0),
+        )
+
+    @classmethod
+    def from_app(cls, app: Celery) -> LeaseConfig:
+        """The app's settings, validated once and cached on the app."""
+        cached: LeaseConfig | None = getattr(app, "_celery_lease_config", None)
+        if cached is None:
+            cached = cls.from_mapping(_app_settings(app))
+            app._celery_lease_config = cached
+        return cached
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> LeaseConfig:
+        """This config with per-task ``lease_*`` values applied and re-validated."""
+        if not overrides:
+            return self
+        merged = self.as_settings()
+        merged.update(overrides)
+        if "lease_seconds" in overrides and "lease_heartbeat_interval" not in overrides:
+            # A task that shortens its lease gets a heartbeat scaled to it.
+            merged["lease_heartbeat_interval"] = None
+        return LeaseConfig.from_mapping(merged)
+
+    def as_settings(self) -> dict[str, Any]:
+        """This config as ``lease_*`` keys, the inverse of :meth:`from_mapping`."""
+        return {
+            "lease_database_url": self.database_url,
+            "lease_seconds": self.lease_seconds,
+            "lease_heartbeat_interval": self.heartbeat_interval,
+            "lease_max_attempts": self.max_attempts,
+            "lease_retry_backoff": self.retry_backoff,
+            "lease_retry_backoff_max": self.retry_backoff_max,
+            "lease_busy_policy": self.busy_policy,
+            "lease_lost_policy": self.lost_policy,
+            "lease_interrupt": self.interrupt,
+            "lease_key": self.key,
+            "lease_concurrency_key": self.concurrency_key,
+            "lease_max_concurrency": self.max_concurrency,
+            "lease_sweep_interval": self.sweep_interval,
+        }
+
+
+def _app_settings(app: Celery) -> dict[str, Any]:
+    conf = app.conf
+    return {name: conf.get(name) for name in SETTING_NAMES if conf.get(name) is not None}
+
+
+def _number(conf: Mapping[str, Any], key: str, default: float) -> float:
+    value = conf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ImproperlyConfigured(f"{key} must be a number of seconds, got {value!r}")
+    return float(value)
+
+
+def _positive(conf: Mapping[str, Any], key: str, default: float) -> float:
+    value = _number(conf, key, default)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ImproperlyConfigured(f"{key} must be a positive, finite number, got {value!r}")
+    return value
+
+
+def _positive_int(conf: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = conf.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ImproperlyConfigured(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _choice(conf: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    value = conf.get(key)
+    if value is None:
+        return choices[0]
+    if value not in choices:
+        raise ImproperlyConfigured(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+    return str(value)
+
+
+def _boolean(conf: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = conf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"{key} must be True or False, got {value!r}")
+    return value
+
+
+def _callable(conf: Mapping[str, Any], key: str) -> KeyFunc | None:
+    value = conf.get(key)
+    if value is None:
+        return None
+    if not callable(value):
+        raise ImproperlyConfigured(
+            f"{key} must be a callable taking the task's arguments, got {value!r}"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _database_url(value: Any) -> str:
+    if value is None:
+        return default_database_url()
+    if not isinstance(value, str) or not value:
+        raise ImproperlyConfigured(f"lease_database_url must be a database URL, got {value!r}")
+    try:
+        url = make_url(value)
+    except ArgumentError as exc:
+        raise ImproperlyConfigured(
+            "lease_database_url is not a valid SQLAlchemy URL "
+            "(expected e.g. postgresql+psycopg://user@host/db)"
+        ) from exc
+    backend = url.get_backend_name()
+    if backend not in SUPPORTED_DIALECTS:
+        raise ImproperlyConfigured(
+            f"lease_database_url uses {backend!r}; supported: sqlite, postgresql, mysql"
+        )
+    return value

@@ -1,0 +1,159 @@
+"""The per-process heartbeat: one daemon thread renews every lease the process holds."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .events import emit
+from .lease import Lease
+from .sanitize import describe_exception
+from .store import HeartbeatResult, LeaseStore
+
+logger = logging.getLogger(__name__)
+
+#: After a failed tick, retry this soon (or at the normal interval, if shorter).
+ERROR_RETRY_SECONDS = 1.0
+
+
+class Heartbeat:
+    """Renews all registered leases in one statement per tick.
+
+    The thread starts on the first :meth:`register`. Each tick waits the
+    shortest ``heartbeat_interval`` among the registered leases. A database
+    error is logged and retried; a lease whose last confirmed expiry passes
+    without renewal is marked lost, as is one the database refuses to renew.
+    """
+
+    def __init__(self, store: LeaseStore, interval: float) -> None:
+        self.store = store
+        self.interval = interval
+        self._leases: dict[tuple[str, str, int], Lease] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        self.last_tick_seconds: float | None = None
+
+    def register(self, lease: Lease) -> None:
+        """Start renewing ``lease`` (and start the thread if needed)."""
+        with self._lock:
+            self._leases[lease.key] = lease
+            if lease.heartbeat_interval < self._wait_locked(exclude=lease):
+                self._wake.set()  # the current wait is too long for this lease
+            if self._thread is None or not self._thread.is_alive():
+                self._start_locked()
+
+    def unregister(self, lease: Lease) -> None:
+        """Stop renewing ``lease``."""
+        with self._lock:
+            self._leases.pop(lease.key, None)
+
+    def held(self) -> list[Lease]:
+        """The leases currently registered."""
+        with self._lock:
+            return list(self._leases.values())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait for it (up to ``timeout`` seconds)."""
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def beat_once(self) -> HeartbeatResult | None:
+        """Run one tick now: renew, then mark lost and cancelled leases. None on error."""
+        leases = [lease for lease in self.held() if not lease.lost]
+        if not leases:
+            return None
+        sent_at = time.monotonic()
+        try:
+            result = self.store.heartbeat(lease.key for lease in leases)
+        except Exception as exc:
+            self._failing = True
+            logger.warning(
+                "celery-lease heartbeat failed for %d lease(s): %s",
+                len(leases),
+                describe_exception(exc),
+                extra={"lease_event": "heartbeat_error", "run_id": None},
+            )
+            self._expire_unconfirmed(leases, time.monotonic())
+            return None
+        self._failing = False
+        self.last_tick_seconds = time.monotonic() - sent_at
+        emit(
+            "heartbeat",
+            None,
+            "renewed %d lease(s) in %.1f ms",
+            len(result.renewed),
+            self.last_tick_seconds * 1000,
+            level=logging.DEBUG,
+            leases=len(leases),
+            seconds=self.last_tick_seconds,
+        )
+        for lease in leases:
+            if lease.key in result.renewed:
+                lease.renewed(sent_at)
+                if lease.key in result.cancel_requested and lease.mark_cancel_requested():
+                    emit("cancel_seen", lease.run_id, "run %s: cancel requested", lease.run_id)
+            elif lease.mark_lost("heartbeat refused: lease taken over, expired or ended"):
+                emit(
+                    "lost",
+                    lease.run_id,
+                    "run %s attempt %d: lease lost (heartbeat refused)",
+                    lease.run_id,
+                    lease.attempt,
+                    level=logging.WARNING,
+                    attempt=lease.attempt,
+                )
+        return result
+
+    def _expire_unconfirmed(self, leases: list[Lease], now: float) -> None:
+        for lease in leases:
+            if lease.expired_locally(now) and lease.mark_lost(
+                "last confirmed expiry passed without renewal (database unreachable)"
+            ):
+                emit(
+                    "lost",
+                    lease.run_id,
+                    "run %s attempt %d: lease lost (no renewal before expiry)",
+                    lease.run_id,
+                    lease.attempt,
+                    level=logging.WARNING,
+                    attempt=lease.attempt,
+                )
+
+    def _wait_locked(self, exclude: Lease | None = None) -> float:
+        intervals = [
+            lease.heartbeat_interval for lease in self._leases.values() if lease is not exclude
+        ]
+        wait = min([self.interval, *intervals])
+        if self._failing:
+            wait = min(wait, ERROR_RETRY_SECONDS)
+        return wait
+
+    def _start_locked(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, name="celery-lease-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                wait = self._wait_locked()
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.beat_once()
+            except Exception:  # never let the renewer die silently
+                logger.exception(
+                    "celery-lease heartbeat tick crashed",
+                    extra={"lease_event": "heartbeat_error", "run_id": None},
+                )

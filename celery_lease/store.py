@@ -1,0 +1,602 @@
+"""Every SQL statement celery-lease runs.
+
+One method per statement (or per short transaction), each documented with what
+it guarantees. Guarded writes name ``id``, ``lease_owner`` and ``attempt`` and
+turn zero changed rows into :class:`~celery_lease.errors.LeaseLost`. Every time
+comparison uses :class:`~celery_lease.schema.db_now_ms`, the database clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    case,
+    create_engine,
+    event,
+    func,
+    inspect,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from .errors import LeaseError, LeaseLost
+from .schema import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL_STATUSES,
+    db_now_ms,
+    metadata,
+    runs,
+)
+
+logger = logging.getLogger(__name__)
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+ClaimOutcome = Literal["claimed", "busy", "finished"]
+LeaseKey = tuple[str, str, int]
+
+
+class RunNotFound(LeaseError):
+    """No run row has this id."""
+
+    code = "run_not_found"
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"{self.code}: no run with id {run_id!r}")
+
+    def __reduce__(self) -> tuple[type[RunNotFound], tuple[str]]:
+        return (type(self), (self.run_id,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimResult:
+    """What a claim attempt found.
+
+    ``claimed``: this owner holds the lease, ``attempt`` is its fencing token.
+    ``busy``: another live lease (or a backoff) blocks it; retry in ``retry_in`` s.
+    ``finished``: the run is terminal (``status``); the body must not run.
+    """
+
+    outcome: ClaimOutcome
+    run_id: str
+    owner: str
+    attempt: int
+    status: str
+    retry_in: float = 0.0
+    lease_expires_at: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatResult:
+    """Outcome of one heartbeat tick, as sets of ``(run_id, owner, attempt)``."""
+
+    renewed: frozenset[LeaseKey]
+    lost: frozenset[LeaseKey]
+    cancel_requested: frozenset[LeaseKey]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One row of ``celery_lease_runs``; times are epoch milliseconds (DB clock)."""
+
+    id: str
+    task_name: str
+    status: str
+    lease_owner: str | None
+    lease_expires_at: int | None
+    lease_ms: int
+    heartbeat_at: int | None
+    attempt: int
+    max_attempts: int
+    available_at: int
+    cancel_requested_at: int | None
+    started_at: int | None
+    finished_at: int | None
+    last_error: str | None
+    failure_code: str | None
+    concurrency_key: str | None
+    payload: bytes | None
+    payload_content_type: str | None
+    created_at: int
+    updated_at: int
+
+    @property
+    def terminal(self) -> bool:
+        """True once the run is succeeded, failed or cancelled."""
+        return self.status in TERMINAL_STATUSES
+
+
+def create_lease_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine configured for lease traffic (WAL and a busy timeout on SQLite)."""
+    kwargs.setdefault("pool_pre_ping", True)
+    engine = create_engine(url, **kwargs)
+    return engine
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    """WAL, a busy timeout, and ``BEGIN IMMEDIATE`` for multi-statement transactions."""
+
+    def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        # Take transaction control from pysqlite so that `begin` below decides.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.close()
+
+    def on_begin(conn: Connection) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            return
+        # IMMEDIATE takes the write lock up front, so a read-then-write
+        # transaction can never fail to upgrade its lock half way through.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    if not event.contains(engine, "connect", on_connect):
+        event.listen(engine, "connect", on_connect)
+        event.listen(engine, "begin", on_begin)
+
+
+class LeaseStore:
+    """All lease SQL, over one SQLAlchemy engine.
+
+    Single statements run in autocommit mode (one round trip each); the few
+    read-then-write paths run in one short transaction.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        if self.dialect == "sqlite":
+            _configure_sqlite(engine)
+        self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._upsert = self.dialect in ("sqlite", "postgresql")
+        self._returning = self.dialect in ("sqlite", "postgresql")
+
+    @classmethod
+    def from_url(cls, url: str, **engine_kwargs: Any) -> LeaseStore:
+        """A store on a new engine for ``url``."""
+        return cls(create_lease_engine(url, **engine_kwargs))
+
+    # -- schema ---------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create the runs table if missing (the embedded default; elsewhere use migrations)."""
+        metadata.create_all(self.engine, checkfirst=True)
+
+    def has_schema(self) -> bool:
+        """True when the runs table exists."""
+        return bool(inspect(self.engine).has_table(runs.name))
+
+    def dispose_after_fork(self) -> None:
+        """Drop pooled connections inherited from a parent process without closing them."""
+        self.engine.dispose(close=False)
+
+    # -- claim ----------------------------------------------------------------
+
+    def claim(
+        self,
+        run_id: str,
+        owner: str,
+        *,
+        task_name: str,
+        lease_ms: int,
+        max_attempts: int,
+        concurrency_key: str | None = None,
+        payload: bytes | None = None,
+        payload_content_type: str | None = None,
+    ) -> ClaimResult:
+        """Insert the run or take it over, atomically; ``attempt`` grows by one per claim.
+
+        A run is taken over when it is queued/retrying and available, or running
+        with an expired lease, and has attempts left and no cancel request.
+        Otherwise nothing changes and the result says why (busy or finished).
+        """
+        values = {
+            "id": run_id,
+            "task_name": task_name,
+            "status": RUNNING,
+            "lease_owner": owner,
+            "lease_ms": lease_ms,
+            "attempt": 1,
+            "max_attempts": max_attempts,
+            "concurrency_key": concurrency_key,
+            "payload": payload,
+            "payload_content_type": payload_content_type,
+        }
+        if self._upsert:
+            row = self._claim_upsert(values, lease_ms, max_attempts)
+        else:
+            row = self._claim_locked(values, lease_ms, max_attempts)
+        if row is not None:
+            return ClaimResult("claimed", run_id, owner, row[0], RUNNING, 0.0, row[1])
+        return self._claim_refused(run_id, owner, max_attempts)
+
+    def _claimable(self, max_attempts: int) -> Any:
+        now = db_now_ms()
+        return and_(
+            or_(
+                and_(runs.c.status.in_((QUEUED, RETRYING)), runs.c.available_at <= now),
+                and_(runs.c.status == RUNNING, runs.c.lease_expires_at <= now),
+            ),
+            runs.c.attempt < max_attempts,
+            runs.c.cancel_requested_at.is_(None),
+        )
+
+    def _takeover_values(self, owner: str, lease_ms: int, max_attempts: int) -> dict[str, Any]:
+        now = db_now_ms()
+        return {
+            "status": RUNNING,
+            "lease_owner": owner,
+            "lease_ms": lease_ms,
+            "lease_expires_at": now + lease_ms,
+            "heartbeat_at": now,
+            "attempt": runs.c.attempt + 1,
+            "max_attempts": max_attempts,
+            "started_at": func.coalesce(runs.c.started_at, now),
+            "finished_at": None,
+            "updated_at": now,
+        }
+
+    def _insert_values(self, values: dict[str, Any], lease_ms: int) -> dict[str, Any]:
+        now = db_now_ms()
+        return {
+            **values,
+            "lease_expires_at": now + lease_ms,
+            "heartbeat_at": now,
+            "available_at": now,
+            "started_at": now,
+            "created_at": now,
+            "updated_at": now,
+        }
+
+    def _claim_upsert(
+        self, values: dict[str, Any], lease_ms: int, max_attempts: int
+    ) -> tuple[int, int] | None:
+        """One ``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` (PG, SQLite)."""
+        dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        stmt = (
+            dialect_insert(runs)
+            .values(self._insert_values(values, lease_ms))
+            .on_conflict_do_update(
+                index_elements=[runs.c.id],
+                set_=self._takeover_values(values["lease_owner"], lease_ms, max_attempts),
+                where=self._claimable(max_attempts),
+            )
+            .returning(runs.c.attempt, runs.c.lease_expires_at)
+        )
+        with self._auto.connect() as conn:
+            row = conn.execute(stmt).first()
+        return None if row is None else (int(row[0]), int(row[1]))
+
+    def _claim_locked(
+        self, values: dict[str, Any], lease_ms: int, max_attempts: int
+    ) -> tuple[int, int] | None:
+        """The same claim as one short transaction with a row lock (MySQL)."""
+        from sqlalchemy import insert
+
+        for _ in range(3):
+            try:
+                with self.engine.begin() as conn:
+                    current = conn.execute(
+                        select(runs.c.attempt).where(runs.c.id == values["id"]).with_for_update()
+                    ).first()
+                    if current is None:
+                        conn.execute(insert(runs).values(self._insert_values(values, lease_ms)))
+                        attempt = 1
+                    else:
+                        changed = conn.execute(
+                            update(runs)
+                            .where(runs.c.id == values["id"], self._claimable(max_attempts))
+                            .values(
+                                self._takeover_values(values["lease_owner"], lease_ms, max_attempts)
+                            )
+                        ).rowcount
+                        if changed != 1:
+                            return None
+                        attempt = int(current[0]) + 1
+                    expires = conn.execute(
+                        select(runs.c.lease_expires_at).where(runs.c.id == values["id"])
+                    ).scalar_one()
+                    return attempt, int(expires)
+            except IntegrityError:
+                continue  # another worker inserted the row first: try the takeover path
+        return None
+
+    def _claim_refused(self, run_id: str, owner: str, max_attempts: int) -> ClaimResult:
+        """Why a claim changed nothing; ends runs that can never be claimed again."""
+        for _ in range(5):
+            now = db_now_ms()
+            with self._auto.connect() as conn:
+                row = conn.execute(
+                    select(
+                        runs.c.status,
+                        runs.c.attempt,
+                        runs.c.cancel_requested_at,
+                        runs.c.lease_expires_at - now,
+                        runs.c.available_at - now,
+                    ).where(runs.c.id == run_id)
+                ).first()
+            if row is None:
+                return ClaimResult("busy", run_id, owner, 0, QUEUED, 0.0)
+            status, attempt, cancel_requested, lease_left, available_left = row
+            if status in TERMINAL_STATUSES:
+                return ClaimResult("finished", run_id, owner, attempt, status)
+            wait_ms = lease_left if status == RUNNING else available_left
+            claimable = wait_ms is None or wait_ms <= 0
+            if claimable and cancel_requested is not None:
+                if self._end_unclaimable(run_id, status, attempt, CANCELLED, "cancelled", None):
+                    return ClaimResult("finished", run_id, owner, attempt, CANCELLED)
+                continue
+            if claimable and attempt >= max_attempts:
+                code = "lease_expired" if status == RUNNING else "attempts_exhausted"
+                error = f"attempts exhausted: {attempt} of {max_attempts} used"
+                if self._end_unclaimable(run_id, status, attempt, FAILED, code, error):
+                    return ClaimResult("finished", run_id, owner, attempt, FAILED)
+                continue
+            if claimable:
+                continue  # it became claimable between our two statements
+            return ClaimResult("busy", run_id, owner, attempt, status, max(0, wait_ms) / 1000.0)
+        return ClaimResult("busy", run_id, owner, 0, RUNNING, 0.0)
+
+    def _end_unclaimable(
+        self,
+        run_id: str,
+        status: str,
+        attempt: int,
+        new_status: str,
+        failure_code: str,
+        error: str | None,
+    ) -> bool:
+        """Move a run nobody may claim any more to a terminal status, if unchanged since read."""
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status == status, runs.c.attempt == attempt)
+            .values(
+                status=new_status,
+                failure_code=failure_code,
+                last_error=case((runs.c.last_error.is_(None), error), else_=runs.c.last_error)
+                if error
+                else runs.c.last_error,
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        with self._auto.connect() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    # -- while running --------------------------------------------------------
+
+    def heartbeat(self, leases: Iterable[LeaseKey]) -> HeartbeatResult:
+        """Renew every given lease that is still held and unexpired, in one statement.
+
+        Each renewed lease expires ``lease_ms`` after the database's now. A lease
+        not renewed (taken over, expired, ended) is reported lost. Renewed leases
+        whose run has a cancel request are reported in ``cancel_requested``.
+        """
+        keys = list(leases)
+        if not keys:
+            return HeartbeatResult(frozenset(), frozenset(), frozenset())
+        now = db_now_ms()
+        guard = and_(
+            tuple_(runs.c.id, runs.c.lease_owner, runs.c.attempt).in_(keys),
+            runs.c.status == RUNNING,
+            runs.c.lease_expires_at > now,
+        )
+        renew = (
+            update(runs)
+            .where(guard)
+            .values(lease_expires_at=now + runs.c.lease_ms, heartbeat_at=now, updated_at=now)
+        )
+        columns = (runs.c.id, runs.c.lease_owner, runs.c.attempt, runs.c.cancel_requested_at)
+        if self._returning:
+            with self._auto.connect() as conn:
+                rows = conn.execute(renew.returning(*columns)).all()
+        else:
+            with self.engine.begin() as conn:
+                conn.execute(renew)
+                rows = conn.execute(select(*columns).where(guard)).all()
+        renewed = frozenset((r[0], r[1], int(r[2])) for r in rows)
+        cancel = frozenset((r[0], r[1], int(r[2])) for r in rows if r[3] is not None)
+        lost = frozenset(keys) - renewed
+        return HeartbeatResult(renewed, lost, cancel)
+
+    def fence(self, connection: Connection, run_id: str, owner: str, attempt: int) -> None:
+        """Inside the caller's transaction, lock the run row and prove the lease is live.
+
+        Raises :class:`LeaseLost` unless this owner and attempt hold an unexpired
+        lease. The row stays locked until the caller's transaction ends, so a
+        takeover cannot slip in before the caller's writes commit.
+        """
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == run_id,
+                runs.c.lease_owner == owner,
+                runs.c.attempt == attempt,
+                runs.c.status == RUNNING,
+                runs.c.lease_expires_at > now,
+            )
+            .values(heartbeat_at=runs.c.heartbeat_at)
+        )
+        if connection.execute(stmt).rowcount != 1:
+            raise self._lost(run_id, owner, attempt, "fence refused")
+
+    # -- outcomes -------------------------------------------------------------
+
+    def _guarded(self, run_id: str, owner: str, attempt: int) -> Any:
+        return and_(
+            runs.c.id == run_id,
+            runs.c.lease_owner == owner,
+            runs.c.attempt == attempt,
+            runs.c.status == RUNNING,
+        )
+
+    def _guarded_update(
+        self, run_id: str, owner: str, attempt: int, action: str, **values: Any
+    ) -> None:
+        stmt = update(runs).where(self._guarded(run_id, owner, attempt)).values(**values)
+        with self._auto.connect() as conn:
+            changed = conn.execute(stmt).rowcount
+        if changed != 1:
+            raise self._lost(run_id, owner, attempt, f"{action} refused")
+
+    def complete(self, run_id: str, owner: str, attempt: int) -> None:
+        """Record success; only the current owner of a running run can. Else :class:`LeaseLost`."""
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "complete",
+            status=SUCCEEDED,
+            finished_at=now,
+            updated_at=now,
+            last_error=None,
+            failure_code=None,
+        )
+
+    def fail(
+        self,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        error: str,
+        failure_code: str,
+        retry_in: float | None,
+    ) -> str:
+        """Record a failed attempt: ``retrying`` after ``retry_in`` s, or ``failed`` when None.
+
+        Guarded like :meth:`complete`. Returns the new status.
+        """
+        now = db_now_ms()
+        status = FAILED if retry_in is None else RETRYING
+        values: dict[str, Any] = {
+            "status": status,
+            "last_error": error,
+            "failure_code": failure_code,
+            "updated_at": now,
+        }
+        if retry_in is None:
+            values["finished_at"] = now
+        else:
+            values["available_at"] = now + round(retry_in * 1000)
+        self._guarded_update(run_id, owner, attempt, "fail", **values)
+        return status
+
+    def release(self, run_id: str, owner: str, attempt: int, *, available_in: float = 0.0) -> None:
+        """Hand a held lease back: ``retrying``, claimable after ``available_in`` s."""
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "release",
+            status=RETRYING,
+            available_at=now + round(available_in * 1000),
+            lease_expires_at=now,
+            updated_at=now,
+        )
+
+    def mark_cancelled(self, run_id: str, owner: str, attempt: int) -> None:
+        """End a held run as ``cancelled`` after its worker honoured a cancel request."""
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "cancel",
+            status=CANCELLED,
+            failure_code="cancelled",
+            finished_at=now,
+            updated_at=now,
+        )
+
+    # -- control --------------------------------------------------------------
+
+    def cancel(self, run_id: str) -> str:
+        """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
+
+        Returns the resulting status (``cancelled``, or ``running`` with
+        ``cancel_requested_at`` set, or the terminal status it already had).
+        Raises :class:`RunNotFound` for an unknown id.
+        """
+        now = db_now_ms()
+        at_once = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status.in_((QUEUED, RETRYING)))
+            .values(
+                status=CANCELLED,
+                failure_code="cancelled",
+                cancel_requested_at=now,
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        request = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status == RUNNING)
+            .values(
+                cancel_requested_at=func.coalesce(runs.c.cancel_requested_at, now),
+                updated_at=now,
+            )
+        )
+        with self._auto.connect() as conn:
+            if conn.execute(at_once).rowcount == 1:
+                return CANCELLED
+            if conn.execute(request).rowcount == 1:
+                return RUNNING
+            status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
+        if status is None:
+            raise RunNotFound(run_id)
+        if status not in TERMINAL_STATUSES:
+            return self.cancel(run_id)  # it changed status between statements
+        return str(status)
+
+    # -- reads ----------------------------------------------------------------
+
+    def get(self, run_id: str) -> RunRecord | None:
+        """The run row, or None."""
+        with self._auto.connect() as conn:
+            row = conn.execute(select(runs).where(runs.c.id == run_id)).mappings().first()
+        return None if row is None else RunRecord(**dict(row))
+
+    def now_ms(self) -> int:
+        """The database clock, in epoch milliseconds."""
+        with self._auto.connect() as conn:
+            return int(conn.execute(select(db_now_ms())).scalar_one())
+
+    def _lost(self, run_id: str, owner: str, attempt: int, action: str) -> LeaseLost:
+        """A :class:`LeaseLost` whose reason says what the row holds now (failure path only)."""
+        try:
+            row = self.get(run_id)
+        except Exception:  # the diagnosis must never hide the lease loss itself
+            row = None
+        if row is None:
+            reason = f"{action}: run row not found"
+        elif row.attempt != attempt or row.lease_owner != owner:
+            reason = f"{action}: taken over by attempt {row.attempt} (status {row.status})"
+        else:
+            reason = f"{action}: run is {row.status}"
+        return LeaseLost(run_id, owner, attempt, reason)
