@@ -247,7 +247,12 @@ class LeasedTask(Task):  # type: ignore[misc]
         self._reschedule(backoff_delay(config, 1), exc)
 
     def _on_busy(self, config: LeaseConfig, claim: ClaimResult) -> NoReturn:
-        busy = LeaseBusy(claim.run_id, claim.retry_in)
+        reason = (
+            "held by another worker"
+            if claim.status == "running"
+            else f"{claim.status}, not available yet (retry backoff)"
+        )
+        busy = LeaseBusy(claim.run_id, claim.retry_in, reason)
         emit(
             "busy",
             claim.run_id,

@@ -1,0 +1,82 @@
+"""Fixtures: lease databases (SQLite always, PostgreSQL when available), Redis, workers.
+
+PostgreSQL and Redis come from ``CELERY_LEASE_TEST_PG_URL`` (an admin URL such as
+``postgresql+psycopg://postgres@127.0.0.1:5433/postgres``) and
+``CELERY_LEASE_TEST_REDIS_URL``. Without them those tests skip, except under
+``CI=true``, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from celery_lease.store import LeaseStore
+from tests.helpers import Worker, require
+
+PG_ENV = "CELERY_LEASE_TEST_PG_URL"
+REDIS_ENV = "CELERY_LEASE_TEST_REDIS_URL"
+
+
+def _pg_admin_url() -> str | None:
+    return os.environ.get(PG_ENV) or None
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test, dropped afterwards."""
+    admin = require(_pg_admin_url(), f"PostgreSQL ({PG_ENV})")
+    name = f"cl_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        engine.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A SQLite file in the test's temp dir."""
+    return f"sqlite:///{tmp_path / 'leases.sqlite3'}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """The lease database URL, once per backend."""
+    name = "sqlite_url" if request.param == "sqlite" else "pg_url"
+    return str(request.getfixturevalue(name))
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[LeaseStore]:
+    """A LeaseStore with its schema created."""
+    lease_store = LeaseStore.from_url(db_url)
+    lease_store.create_schema()
+    yield lease_store
+    lease_store.engine.dispose()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The Redis URL for broker tests."""
+    return str(require(os.environ.get(REDIS_ENV), f"Redis ({REDIS_ENV})"))
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[list[Worker]]:
+    """Workers a test starts; each is stopped by PID at teardown."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()

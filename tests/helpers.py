@@ -1,0 +1,142 @@
+"""Test helpers: real ``celery worker`` subprocesses and bounded waiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition"
+) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Worker:
+    """One ``celery worker`` process group started by a test, stopped by its PID."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        name: str = "w",
+        pool: str = "prefork",
+        concurrency: int = 2,
+        app: str = "tests.workerapp",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.log_path = log_path
+        self.name = name
+        full_env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@%h",
+            "-l",
+            "INFO",
+            "--without-heartbeat",
+            "--without-gossip",
+            "--without-mingle",
+            *extra_args,
+        ]
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # A new session makes this PID the group id, so the pool children can be
+        # signalled with the group the test itself created.
+        self.proc = subprocess.Popen(
+            cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=str(REPO),
+        )
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        """Everything the worker has logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> Worker:
+        """Block until the worker logs that it is ready (or fail, with its log)."""
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited early:\n{self.log()[-4000:]}")
+            return " ready." in self.log()
+
+        wait_for(ready, timeout, 0.1, f"worker {self.name} to be ready")
+        return self
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker and its pool children (the group we created)."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def pause(self) -> None:
+        """SIGSTOP the whole worker (main process and pool children)."""
+        self.signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the whole worker."""
+        self.signal_group(signal.SIGCONT)
+
+    def kill9(self) -> None:
+        """kill -9 the worker and its children, and reap it."""
+        self.signal_group(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        self._log.close()
+
+
+def env_flag(name: str) -> bool:
+    """True when the environment variable is set to a true-ish value."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def require(value: Any, what: str) -> Any:
+    """``value`` if set; else skip the test, or fail it under ``CI=true``."""
+    import pytest
+
+    if value:
+        return value
+    if env_flag("CI"):
+        pytest.fail(f"{what} is required when CI=true")
+    pytest.skip(f"{what} not available")

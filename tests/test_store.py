@@ -1,0 +1,225 @@
+"""LeaseStore against real SQL: SQLite always, PostgreSQL when available."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from celery_lease import LeaseLost, LeaseStore
+from celery_lease.schema import runs
+from celery_lease.store import RunNotFound
+
+
+def claim(store: LeaseStore, run_id: str, owner: str, lease_ms: int = 2000, **kw: Any) -> Any:
+    return store.claim(
+        run_id, owner, task_name="t", lease_ms=lease_ms, max_attempts=kw.pop("max_attempts", 5), **kw
+    )
+
+
+def test_db_clock_is_epoch_milliseconds(store: LeaseStore) -> None:
+    """The database clock reads epoch milliseconds close to this machine's clock."""
+    readings = [store.now_ms() for _ in range(5)]
+    assert abs(readings[0] - time.time() * 1000) < 5000
+    assert readings == sorted(readings)
+    assert any(r % 1000 for r in readings), "expected sub-second resolution"
+
+
+def test_claim_renew_complete(store: LeaseStore) -> None:
+    """A claim inserts a running row at attempt 1; heartbeat renews it; complete ends it."""
+    result = claim(store, "r1", "A")
+    assert (result.outcome, result.attempt) == ("claimed", 1)
+    row = store.get("r1")
+    assert row is not None and row.status == "running" and row.lease_owner == "A"
+    before = row.lease_expires_at
+    assert before is not None
+    time.sleep(0.02)
+    beat = store.heartbeat([("r1", "A", 1)])
+    assert beat.renewed == {("r1", "A", 1)} and not beat.lost
+    after = store.get("r1")
+    assert after is not None and after.lease_expires_at is not None
+    assert after.lease_expires_at > before
+    store.complete("r1", "A", 1)
+    done = store.get("r1")
+    assert done is not None and done.status == "succeeded" and done.finished_at is not None
+
+
+def test_second_owner_refused_while_lease_live(store: LeaseStore) -> None:
+    """While A's lease is live, B's claim is busy and reports the time left."""
+    claim(store, "r1", "A", lease_ms=5000)
+    result = claim(store, "r1", "B", lease_ms=5000)
+    assert result.outcome == "busy"
+    assert 3.0 < result.retry_in <= 5.0
+    row = store.get("r1")
+    assert row is not None and row.lease_owner == "A" and row.attempt == 1
+
+
+def test_takeover_after_expiry_increments_attempt(store: LeaseStore) -> None:
+    """Once A's lease expires, B takes the run over with attempt 2."""
+    claim(store, "r1", "A", lease_ms=200)
+    time.sleep(0.3)
+    result = claim(store, "r1", "B")
+    assert (result.outcome, result.attempt) == ("claimed", 2)
+    row = store.get("r1")
+    assert row is not None and row.lease_owner == "B" and row.attempt == 2
+
+
+def test_stale_owner_is_refused_everywhere(store: LeaseStore) -> None:
+    """After a takeover, the old owner's heartbeat, complete, fail and fence are refused."""
+    claim(store, "r1", "A", lease_ms=200)
+    time.sleep(0.3)
+    claim(store, "r1", "B")
+    beat = store.heartbeat([("r1", "A", 1)])
+    assert beat.lost == {("r1", "A", 1)} and not beat.renewed
+    with pytest.raises(LeaseLost) as lost:
+        store.complete("r1", "A", 1)
+    assert lost.value.code == "automation_run_lease_lost"
+    assert str(lost.value).startswith("automation_run_lease_lost")
+    assert (lost.value.run_id, lost.value.owner, lost.value.attempt) == ("r1", "A", 1)
+    assert "attempt 2" in lost.value.reason
+    with pytest.raises(LeaseLost):
+        store.fail("r1", "A", 1, error="x", failure_code="exception:X", retry_in=1.0)
+    with pytest.raises(LeaseLost), store.engine.begin() as conn:
+        store.fence(conn, "r1", "A", 1)
+    row = store.get("r1")
+    assert row is not None and row.status == "running" and row.lease_owner == "B"
+    store.complete("r1", "B", 2)
+
+
+def test_expired_but_not_taken_over_cannot_renew(store: LeaseStore) -> None:
+    """A lease past its expiry is not renewed, even if nobody took it over."""
+    claim(store, "r1", "A", lease_ms=100)
+    time.sleep(0.2)
+    assert store.heartbeat([("r1", "A", 1)]).lost == {("r1", "A", 1)}
+
+
+def test_terminal_run_is_never_claimed_again(store: LeaseStore) -> None:
+    """A claim on a succeeded run reports it finished and changes nothing."""
+    claim(store, "r1", "A")
+    store.complete("r1", "A", 1)
+    result = claim(store, "r1", "B")
+    assert (result.outcome, result.status) == ("finished", "succeeded")
+    row = store.get("r1")
+    assert row is not None and row.attempt == 1 and row.lease_owner == "A"
+
+
+def test_heartbeat_renews_many_in_one_statement(store: LeaseStore) -> None:
+    """One heartbeat call renews every held lease and reports the ones not held."""
+    keys = []
+    for i in range(50):
+        claim(store, f"r{i}", f"A{i}")
+        keys.append((f"r{i}", f"A{i}", 1))
+    statements: list[str] = []
+    from sqlalchemy import event
+
+    def count(*args: Any) -> None:
+        statements.append(args[2])
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    try:
+        beat = store.heartbeat([*keys, ("nope", "X", 1)])
+    finally:
+        event.remove(store.engine, "before_cursor_execute", count)
+    assert beat.renewed == set(keys)
+    assert beat.lost == {("nope", "X", 1)}
+    assert len(statements) == 1
+
+
+def test_fail_retrying_then_claimable_after_backoff(store: LeaseStore) -> None:
+    """fail() with a delay makes the run retrying; it is busy until available_at."""
+    claim(store, "r1", "A")
+    assert store.fail("r1", "A", 1, error="E: x", failure_code="exception:E", retry_in=0.3) == (
+        "retrying"
+    )
+    early = claim(store, "r1", "B")
+    assert early.outcome == "busy" and 0 < early.retry_in <= 0.3
+    time.sleep(0.35)
+    assert claim(store, "r1", "B").attempt == 2
+
+
+def test_attempts_exhausted_fails_without_running(store: LeaseStore) -> None:
+    """A claimable run with no attempts left becomes failed instead of running."""
+    claim(store, "r1", "A", lease_ms=100, max_attempts=1)
+    time.sleep(0.2)
+    result = claim(store, "r1", "B", max_attempts=1)
+    assert (result.outcome, result.status) == ("finished", "failed")
+    row = store.get("r1")
+    assert row is not None and row.failure_code == "lease_expired" and row.attempt == 1
+
+
+def test_fence_holds_the_row_inside_the_callers_transaction(store: LeaseStore) -> None:
+    """fence() passes for the live owner and fails once the lease expired."""
+    claim(store, "r1", "A", lease_ms=300)
+    with store.engine.begin() as conn:
+        store.fence(conn, "r1", "A", 1)
+    time.sleep(0.4)
+    with pytest.raises(LeaseLost), store.engine.begin() as conn:
+        store.fence(conn, "r1", "A", 1)
+
+
+def test_release_hands_the_run_back_at_once(store: LeaseStore) -> None:
+    """release() makes the run retrying and immediately claimable by another worker."""
+    claim(store, "r1", "A", lease_ms=60_000)
+    store.release("r1", "A", 1)
+    assert claim(store, "r1", "B").attempt == 2
+
+
+def test_cancel(store: LeaseStore) -> None:
+    """cancel(): running gets a request seen by heartbeat; retrying ends at once."""
+    claim(store, "r1", "A")
+    assert store.cancel("r1") == "running"
+    assert store.heartbeat([("r1", "A", 1)]).cancel_requested == {("r1", "A", 1)}
+    store.mark_cancelled("r1", "A", 1)
+    assert claim(store, "r1", "B").status == "cancelled"
+    claim(store, "r2", "A")
+    store.release("r2", "A", 1, available_in=60)
+    assert store.cancel("r2") == "cancelled"
+    with pytest.raises(RunNotFound):
+        store.cancel("missing")
+
+
+def _racer(url: str, barrier: Any, rounds: int, results: Any, index: int) -> None:
+    store = LeaseStore.from_url(url, pool_size=1)
+    for round_no in range(rounds):
+        barrier.wait(30)
+        result = store.claim(
+            f"race-{round_no}", f"p{index}", task_name="t", lease_ms=60_000, max_attempts=5
+        )
+        results.put((round_no, index, result.outcome, result.attempt))
+    store.engine.dispose()
+
+
+@pytest.mark.timeout(300)
+def test_eight_processes_race_one_winner_each_round(pg_url: str) -> None:
+    """8 processes claim the same run at once, 50 rounds: exactly one wins every round."""
+    LeaseStore.from_url(pg_url).create_schema()
+    rounds, procs = 50, 8
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(procs)
+    results = ctx.Queue()
+    workers = [
+        ctx.Process(target=_racer, args=(pg_url, barrier, rounds, results, i)) for i in range(procs)
+    ]
+    for proc in workers:
+        proc.start()
+    try:
+        outcomes = [results.get(timeout=120) for _ in range(rounds * procs)]
+    finally:
+        for proc in workers:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    for round_no in range(rounds):
+        these = [o for o in outcomes if o[0] == round_no]
+        winners = [o for o in these if o[2] == "claimed"]
+        assert len(these) == procs
+        assert len(winners) == 1, these
+        assert winners[0][3] == 1
+        assert all(o[2] == "busy" for o in these if o not in winners)
+    store = LeaseStore.from_url(pg_url)
+    with store.engine.connect() as conn:
+        attempts = conn.execute(select(runs.c.attempt)).scalars().all()
+    assert sorted(attempts) == [1] * rounds

@@ -1,0 +1,131 @@
+"""The Celery app the worker tests start in real ``celery worker`` processes.
+
+Configured from environment variables so every test gets its own database,
+broker queue and lease timings. Each task records what its body did in the
+``test_effects`` table of the lease database, so tests can count effects.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, insert
+
+from celery_lease import LeasedTask, LeaseLost, RunCancelled
+
+app = Celery("workerapp")
+app.conf.update(
+    broker_url=os.environ.get("CL_BROKER_URL", "memory://"),
+    broker_transport_options={},
+    task_default_queue=os.environ.get("CL_QUEUE", "celery"),
+    task_acks_late=os.environ.get("CL_ACKS_LATE", "0") == "1",
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    lease_database_url=os.environ.get("CL_LEASE_DB"),
+    lease_seconds=float(os.environ.get("CL_LEASE_SECONDS", "30")),
+)
+if os.environ.get("CL_HEARTBEAT"):
+    app.conf.lease_heartbeat_interval = float(os.environ["CL_HEARTBEAT"])
+if os.environ.get("CL_LOST_POLICY"):
+    app.conf.lease_lost_policy = os.environ["CL_LOST_POLICY"]
+if os.environ.get("CL_BAD_SETTING"):
+    key, _, value = os.environ["CL_BAD_SETTING"].partition("=")
+    app.conf[key] = float(value) if value.lstrip("-").replace(".", "").isdigit() else value
+if os.environ.get("CL_FS_DIR"):
+    folder = os.environ["CL_FS_DIR"]
+    app.conf.broker_transport_options = {
+        "data_folder_in": folder,
+        "data_folder_out": folder,
+        "control_folder": os.path.join(folder, "control"),
+    }
+if os.environ.get("CL_VISIBILITY_TIMEOUT"):
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["CL_VISIBILITY_TIMEOUT"])
+    }
+
+effects_metadata = MetaData()
+effects = Table(
+    "test_effects",
+    effects_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", String(255), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("at", Float, nullable=False),
+)
+
+_engine: Any = None
+
+
+def effects_engine() -> Any:
+    """An engine on the lease database for the effects table (one per process)."""
+    global _engine
+    if _engine is None or _engine.pid != os.getpid():
+        _engine = create_engine(app.conf.lease_database_url)
+        _engine.pid = os.getpid()
+    return _engine
+
+
+def record(run_id: str, attempt: int, kind: str) -> None:
+    """Write one effect row outside any fence."""
+    with effects_engine().begin() as conn:
+        conn.execute(
+            insert(effects).values(
+                run_id=run_id, attempt=attempt, kind=kind, pid=os.getpid(), at=time.time()
+            )
+        )
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.work")
+def work(self: LeasedTask, seconds: float = 0.0) -> str:
+    """Sleep in small steps (checking the lease), then commit one fenced effect."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        self.lease.check()
+        time.sleep(0.05)
+    with effects_engine().begin() as conn:
+        self.lease.fence(conn)
+        conn.execute(
+            insert(effects).values(
+                run_id=self.lease.run_id,
+                attempt=self.lease.attempt,
+                kind="commit",
+                pid=os.getpid(),
+                at=time.time(),
+            )
+        )
+    return "done"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.sleepy", lease_interrupt=False)
+def sleepy(self: LeasedTask, seconds: float) -> str:
+    """Sleep without checking the lease, record the body's end, then let completion decide."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    record(self.lease.run_id, self.lease.attempt, "body_end")
+    return "slept"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.watch", lease_interrupt=False)
+def watch(self: LeasedTask, seconds: float) -> str:
+    """Poll ``self.lease.check()`` and record when it first raises."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            self.lease.check()
+            time.sleep(0.02)
+    except LeaseLost:
+        record(self.lease.run_id, self.lease.attempt, "saw_lost")
+        raise
+    except RunCancelled:
+        record(self.lease.run_id, self.lease.attempt, "saw_cancel")
+        raise
+    return "watched"
