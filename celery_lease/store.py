@@ -535,6 +535,21 @@ class LeaseStore:
 
     # -- control --------------------------------------------------------------
 
+    def expire(self, run_id: str) -> bool:
+        """End a running run's lease now, so another worker may take it over.
+
+        For operators and tests of the lease-lost path. Returns True when a
+        running lease was expired.
+        """
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status == RUNNING)
+            .values(lease_expires_at=now, updated_at=now)
+        )
+        with self._auto.connect() as conn:
+            return conn.execute(stmt).rowcount == 1
+
     def cancel(self, run_id: str) -> str:
         """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
 
