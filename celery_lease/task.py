@@ -142,6 +142,8 @@ class LeasedTask(Task):  # type: ignore[misc]
             )
             self._reschedule(delay, exc)
         if claim.outcome == "finished":
+            if self.request.called_directly:
+                return None  # a plain call of a finished run: nothing to do
             self._drop_finished(claim)
         if claim.outcome == "busy":
             self._on_busy(config, claim)

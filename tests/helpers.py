@@ -71,7 +71,11 @@ class Worker:
         # A new session makes this PID the group id, so the pool children can be
         # signalled with the group the test itself created.
         self.proc = subprocess.Popen(
-            cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            cmd,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             cwd=str(REPO),
         )
         self.pid = self.proc.pid

@@ -16,7 +16,12 @@ from celery_lease.store import RunNotFound
 
 def claim(store: LeaseStore, run_id: str, owner: str, lease_ms: int = 2000, **kw: Any) -> Any:
     return store.claim(
-        run_id, owner, task_name="t", lease_ms=lease_ms, max_attempts=kw.pop("max_attempts", 5), **kw
+        run_id,
+        owner,
+        task_name="t",
+        lease_ms=lease_ms,
+        max_attempts=kw.pop("max_attempts", 5),
+        **kw,
     )
 
 

@@ -1,0 +1,99 @@
+"""LeasedTask in an in-process worker: statement counts and the lease handle."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from sqlalchemy import event
+
+from celery_lease import LeasedTask, LeaseError, current_lease
+from celery_lease.app import store_for
+
+
+@pytest.fixture
+def app(db_url: str) -> Iterator[Celery]:
+    app = Celery("inproc", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        result_backend="cache+memory://",
+        lease_database_url=db_url,
+        broker_connection_retry_on_startup=True,
+    )
+    store_for(app).create_schema()
+    yield app
+    store_for(app).engine.dispose()
+
+
+def test_uncontended_run_issues_two_statements(app: Celery) -> None:
+    """An uncontended run issues exactly 2 SQL statements: claim and complete."""
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="inproc.add")
+    def add(self: LeasedTask, a: int, b: int) -> int:
+        assert self.lease.attempt == 1
+        return a + b
+
+    store = store_for(app)
+    store.now_ms()  # warm the pool: connecting is not a statement we count
+    seen: list[tuple[int, str]] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append((threading.get_ident(), statement))
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        heartbeat = store_for(app)  # same store the worker uses
+        assert heartbeat is store
+        event.listen(store.engine, "before_cursor_execute", count)
+        try:
+            result = add.delay(2, 3)
+            assert result.get(timeout=20) == 5
+        finally:
+            event.remove(store.engine, "before_cursor_execute", count)
+    task_thread = {tid for tid, stmt in seen if stmt.lstrip().upper().startswith("INSERT")}
+    statements = [stmt for tid, stmt in seen if tid in task_thread]
+    kinds = [stmt.split()[0].upper() for stmt in statements]
+    assert kinds == ["INSERT", "UPDATE"], statements
+    row = store.get(result.id)
+    assert row is not None and row.status == "succeeded" and row.attempt == 1
+
+
+def test_direct_call_runs_under_a_lease(app: Celery) -> None:
+    """Calling the task like a function still claims and completes a run."""
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="inproc.direct", lease_key=lambda x: f"k-{x}"
+    )
+    def direct(self: LeasedTask, x: int) -> str:
+        return self.lease.run_id
+
+    assert direct(4) == "k-4"
+    row = store_for(app).get("k-4")
+    assert row is not None and row.status == "succeeded"
+    assert direct(4) is None  # a finished run does not run again
+
+
+def test_current_lease_outside_a_task_raises() -> None:
+    """current_lease() outside a leased body is a clear LeaseError."""
+    with pytest.raises(LeaseError, match="no lease"):
+        current_lease()
+
+
+def test_body_error_is_recorded_sanitized(app: Celery, tmp_path: Path) -> None:
+    """A failing body leaves a sanitized last_error and an exception failure code."""
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="inproc.boom", lease_max_attempts=1)
+    def boom(self: LeasedTask) -> None:
+        raise RuntimeError("cannot reach postgresql://app:hunter2@db.internal/prod")
+
+    result = boom.apply()
+    assert result.failed()
+    row = store_for(app).get(result.id)
+    assert row is not None and row.status == "failed"
+    assert row.failure_code == "exception:RuntimeError"
+    assert row.last_error is not None and "hunter2" not in row.last_error
+    assert "RuntimeError" in row.last_error
