@@ -615,3 +615,58 @@ class LeaseStore:
         else:
             reason = f"{action}: run is {row.status}"
         return LeaseLost(run_id, owner, attempt, reason)
+
+    # -- operator reads (CLI) --
+
+    def list_runs(
+        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
+    ) -> list[RunRecord]:
+        """Up to ``limit`` runs, newest first, filtered by status and task name; read only."""
+        stmt = select(runs).order_by(runs.c.created_at.desc(), runs.c.id).limit(max(0, limit))
+        if status is not None:
+            stmt = stmt.where(runs.c.status == status)
+        if task_name is not None:
+            stmt = stmt.where(runs.c.task_name == task_name)
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).mappings().all()
+        return [RunRecord(**dict(row)) for row in rows]
+
+    def stats(self, *, window_ms: int = 3_600_000) -> dict[str, Any]:
+        """Per-status counts, live and expired leases, oldest running run, recent expiries.
+
+        Read only, three statements (not one snapshot). Keys: ``now`` (DB clock,
+        epoch ms), ``counts`` (status -> rows), ``live_leases`` (running, lease
+        unexpired), ``expired_leases`` (running, lease expired: awaiting takeover
+        or the sweeper), ``oldest_running`` (a :class:`RunRecord` or None),
+        ``lease_expired_recent`` (rows with ``failure_code = 'lease_expired'``
+        updated within ``window_ms``).
+        """
+        now = db_now_ms()
+        running = runs.c.status == RUNNING
+        per_status = select(
+            runs.c.status,
+            func.count(),
+            func.sum(case((and_(running, runs.c.lease_expires_at > now), 1), else_=0)),
+            func.sum(case((and_(running, runs.c.lease_expires_at <= now), 1), else_=0)),
+        ).group_by(runs.c.status)
+        oldest = (
+            select(runs)
+            .where(running)
+            .order_by(runs.c.started_at.is_(None), runs.c.started_at, runs.c.id)
+            .limit(1)
+        )
+        recent = select(now, func.count()).where(
+            runs.c.failure_code == "lease_expired", runs.c.updated_at >= now - window_ms
+        )
+        with self._auto.connect() as conn:
+            grouped = conn.execute(per_status).all()
+            oldest_row = conn.execute(oldest).mappings().first()
+            db_now, expired_recent = conn.execute(recent).one()
+        return {
+            "now": int(db_now),
+            "counts": {str(r[0]): int(r[1]) for r in grouped},
+            "live_leases": sum(int(r[2] or 0) for r in grouped),
+            "expired_leases": sum(int(r[3] or 0) for r in grouped),
+            "oldest_running": None if oldest_row is None else RunRecord(**dict(oldest_row)),
+            "lease_expired_recent": int(expired_recent),
+        }

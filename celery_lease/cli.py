@@ -1,0 +1,478 @@
+"""``celery -A proj lease ...``: the operator's commands.
+
+Installed as a ``celery.commands`` entry point, so it runs with the app Celery
+loaded from ``-A`` and reads ``lease_database_url`` from its settings (or from
+``--database-url``). Times stored in the run row are epoch milliseconds taken
+from the database clock; they are shown in UTC, with ages and lease time left
+computed against the database's clock too, never this machine's.
+
+Every failure an operator can cause (unknown run id, unreachable database,
+bad URL or settings, missing table) ends with one line on stderr and exit
+status 1; usage errors exit 2. Database URLs are always shown without password.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import click
+from celery.exceptions import ImproperlyConfigured
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from .config import LeaseConfig
+from .errors import LeaseError
+from .sanitize import safe_url, sanitize
+from .schema import CANCELLED, RUNNING, STATUSES, TABLE_NAME
+from .store import LeaseStore, RunNotFound, RunRecord
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_URL_KEY = "celery_lease.database_url"
+
+#: The columns of ``runs`` and ``show --json``; ``payload`` is summarized, not printed.
+RECORD_FIELDS = (
+    "id",
+    "task_name",
+    "status",
+    "lease_owner",
+    "lease_expires_at",
+    "lease_ms",
+    "heartbeat_at",
+    "attempt",
+    "max_attempts",
+    "available_at",
+    "cancel_requested_at",
+    "started_at",
+    "finished_at",
+    "last_error",
+    "failure_code",
+    "concurrency_key",
+    "payload_content_type",
+    "created_at",
+    "updated_at",
+)
+TIME_FIELDS = frozenset(
+    {
+        "lease_expires_at",
+        "heartbeat_at",
+        "available_at",
+        "cancel_requested_at",
+        "started_at",
+        "finished_at",
+        "created_at",
+        "updated_at",
+    }
+)
+
+
+class _Failure(click.ClickException):
+    """One clear line on stderr and exit status 1 (click prints ``Error: ...``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The driver's own message, first line only, sanitized."""
+    inner = getattr(exc, "orig", None) or exc
+    text = str(inner).strip().splitlines()
+    return sanitize(f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": "), 300)
+
+
+def _operator_errors(fun: F) -> F:
+    """Turn the failures an operator can cause into one line and exit status 1."""
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fun(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except ImproperlyConfigured as exc:
+            raise _Failure(sanitize(str(exc))) from None
+        except RunNotFound as exc:
+            raise _Failure(f"no run with id {exc.run_id!r}") from None
+        except LeaseError as exc:
+            raise _Failure(sanitize(str(exc))) from None
+        except SQLAlchemyError as exc:
+            url = click.get_current_context().meta.get(_URL_KEY, "?")
+            raise _Failure(f"lease database {url}: {_first_line(exc)}") from None
+
+    return cast(F, wrapper)
+
+
+# -- resolving the database -----------------------------------------------------
+
+
+def _database_url(ctx: click.Context) -> str:
+    """The lease database URL: ``--database-url`` or the app's ``lease_database_url``."""
+    override: str | None = ctx.find_root().meta.get("celery_lease.override")
+    if override is None:
+        url = LeaseConfig.from_app(ctx.obj.app).database_url
+    else:
+        url = LeaseConfig.from_mapping({"lease_database_url": override}).database_url
+    ctx.meta[_URL_KEY] = safe_url(url)
+    return url
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names (None for other databases or in-memory)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return str(parsed.database)
+
+
+def _open_store(ctx: click.Context) -> LeaseStore:
+    """A store on the lease database, which must exist and hold the runs table."""
+    url = _database_url(ctx)
+    shown = safe_url(url)
+    path = _sqlite_file(url)
+    if path is not None and not os.path.exists(path):
+        # Connecting would silently create an empty file; say what is wrong instead.
+        raise _Failure(
+            f"lease database {shown}: SQLite file does not exist (check lease_database_url "
+            "and the working directory)"
+        )
+    store = LeaseStore.from_url(url)
+    ctx.call_on_close(store.engine.dispose)
+    if not store.has_schema():
+        raise _Failure(
+            f"lease database {shown} has no {TABLE_NAME} table: run "
+            "`celery -A <app> lease migrate` (or start a worker, on SQLite)"
+        )
+    return store
+
+
+# -- formatting -------------------------------------------------------------------
+
+
+def format_time(ms: int | None) -> str:
+    """Epoch milliseconds as ``YYYY-MM-DD HH:MM:SS.mmmZ`` (UTC); ``-`` for None."""
+    if ms is None:
+        return "-"
+    moment = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def format_duration(ms: int) -> str:
+    """A short human duration: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
+    ms = abs(ms)
+    if ms < 1000:
+        return f"{ms}ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def format_relative(ms: int | None, now: int) -> str:
+    """``ms`` relative to the database's ``now``: ``12.0s ago`` or ``in 3.1s``."""
+    if ms is None:
+        return "-"
+    delta = ms - now
+    return f"in {format_duration(delta)}" if delta > 0 else f"{format_duration(delta)} ago"
+
+
+def lease_left(record: RunRecord, now: int) -> str:
+    """The lease's time left by the database clock, for a running run."""
+    if record.status != RUNNING or record.lease_expires_at is None:
+        return "-"
+    left = record.lease_expires_at - now
+    return f"{format_duration(left)} left" if left > 0 else f"expired {format_duration(left)} ago"
+
+
+def record_data(record: RunRecord, now: int) -> dict[str, Any]:
+    """A run as JSON-ready data: every column (times as epoch ms) plus derived fields."""
+    data: dict[str, Any] = {name: getattr(record, name) for name in RECORD_FIELDS}
+    if data["last_error"] is not None:
+        data["last_error"] = sanitize(data["last_error"])
+    data["payload_bytes"] = None if record.payload is None else len(record.payload)
+    data["lease_left_ms"] = (
+        record.lease_expires_at - now
+        if record.status == RUNNING and record.lease_expires_at is not None
+        else None
+    )
+    data["db_now"] = now
+    return data
+
+
+def _short_owner(owner: str | None) -> str:
+    """``host:pid`` of an owner (its random part only matters to the guard)."""
+    if not owner:
+        return "-"
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    return f"{host}:{pid}" if pid else owner
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain, left-aligned text table."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+    return "\n".join(lines)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+# -- the commands -------------------------------------------------------------------
+
+
+@click.group(name="lease", invoke_without_command=False)
+@click.option(
+    "--database-url",
+    metavar="URL",
+    default=None,
+    help="Lease database to use instead of the app's lease_database_url.",
+)
+@click.pass_context
+def lease(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
+    """Inspect and operate celery-lease runs (the celery_lease_runs table)."""
+    ctx.find_root().meta["celery_lease.override"] = database_url
+
+
+@lease.command()
+@click.option("--status", type=click.Choice(STATUSES), default=None, help="Only this status.")
+@click.option("--task", "task_name", default=None, metavar="NAME", help="Only this task name.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (times in epoch ms).")
+@click.pass_context
+@_operator_errors
+def runs(
+    ctx: click.Context, status: str | None, task_name: str | None, limit: int, as_json: bool
+) -> None:
+    """List runs, newest first."""
+    store = _open_store(ctx)
+    now = store.now_ms()
+    records = store.list_runs(status=status, task_name=task_name, limit=limit)
+    if as_json:
+        _echo_json([record_data(r, now) for r in records])
+        return
+    if not records:
+        click.echo("no runs match")
+        return
+    rows = [
+        (
+            r.id,
+            r.task_name,
+            r.status + (" (cancel requested)" if r.cancel_requested_at and not r.terminal else ""),
+            f"{r.attempt}/{r.max_attempts}",
+            _short_owner(r.lease_owner) if r.status == RUNNING else "-",
+            lease_left(r, now),
+            format_relative(r.updated_at, now),
+            r.failure_code or "",
+        )
+        for r in records
+    ]
+    headers = ("ID", "TASK", "STATUS", "ATTEMPT", "OWNER", "LEASE", "UPDATED", "FAILURE")
+    click.echo(render_table(headers, rows))
+
+
+@lease.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (times in epoch ms).")
+@click.option(
+    "--payload", "show_payload", is_flag=True, help="Also print the stored task arguments."
+)
+@click.pass_context
+@_operator_errors
+def show(ctx: click.Context, run_id: str, as_json: bool, show_payload: bool) -> None:
+    """Show every column of one run, with its lease's time left by the database clock."""
+    store = _open_store(ctx)
+    now = store.now_ms()
+    record = store.get(run_id)
+    if record is None:
+        raise RunNotFound(run_id)
+    data = record_data(record, now)
+    if show_payload and record.payload is not None:
+        data["payload"] = record.payload.decode("utf-8", errors="replace")
+    if as_json:
+        _echo_json(data)
+        return
+    lines: list[tuple[str, str]] = []
+    for name in RECORD_FIELDS:
+        value = data[name]
+        if name in TIME_FIELDS and value is not None:
+            text = f"{format_time(value)}  ({format_relative(value, now)})"
+        elif name == "lease_ms":
+            text = f"{value} ({format_duration(value)})"
+        else:
+            text = "-" if value is None else str(value)
+        lines.append((name, text))
+    lines.insert(5, ("lease_left", lease_left(record, now)))
+    size = data["payload_bytes"]
+    lines.append(("payload", "-" if size is None else f"{size} bytes (use --payload to print)"))
+    if "payload" in data:
+        lines[-1] = ("payload", str(data["payload"]))
+    lines.append(("db_now", format_time(now)))
+    width = max(len(name) for name, _ in lines)
+    for name, text in lines:
+        click.echo(f"{name.ljust(width)}  {text}")
+
+
+@lease.command()
+@click.argument("run_id")
+@click.pass_context
+@_operator_errors
+def cancel(ctx: click.Context, run_id: str) -> None:
+    """Cancel a run: queued/retrying at once; a running run stops within one heartbeat."""
+    store = _open_store(ctx)
+    status = store.cancel(run_id)
+    if status == CANCELLED:
+        click.echo(f"run {run_id} is cancelled")
+    elif status == RUNNING:
+        click.echo(
+            f"run {run_id} is running: cancel requested; its worker stops it within one "
+            "heartbeat and it ends cancelled (or, if that worker is gone, at the next sweep)"
+        )
+    else:
+        raise _Failure(f"run {run_id} already {status}: nothing to cancel")
+
+
+@lease.command()
+@click.option("--limit", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+@_operator_errors
+def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """Run the sweeper once: recover runs whose lease expired, and print what it did."""
+    from .sweeper import sweep as run_sweep
+
+    store = _open_store(ctx)
+    report = run_sweep(ctx.obj.app, store, limit=limit)
+    data = {
+        "requeued": list(report.requeued),
+        "failed": list(report.failed),
+        "cancelled": list(report.cancelled),
+        "errors": list(getattr(report, "errors", [])),
+    }
+    if as_json:
+        _echo_json(data)
+    else:
+        labels = {
+            "requeued": "re-enqueued (retrying)",
+            "failed": "failed (lease expired, attempts spent)",
+            "cancelled": "cancelled (cancel was requested)",
+            "errors": "could not be re-enqueued",
+        }
+        if not any(data.values()):
+            click.echo("nothing to sweep")
+        for key, ids in data.items():
+            if ids:
+                click.echo(f"{labels[key]}: {len(ids)}")
+                for run_id in ids:
+                    click.echo(f"  {run_id}")
+    if data["errors"]:
+        ctx.exit(1)
+
+
+@lease.command()
+@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.pass_context
+@_operator_errors
+def migrate(ctx: click.Context, revision: str) -> None:
+    """Apply the shipped migrations (version table: celery_lease_alembic_version)."""
+    from .migrations import upgrade
+
+    url = _database_url(ctx)
+    shown = safe_url(url)
+    result = upgrade(url, revision)
+    if result.adopted:
+        click.echo(
+            f"{shown}: existing {TABLE_NAME} matches this version; recorded it at revision "
+            f"{result.after}"
+        )
+    elif result.before == result.after:
+        click.echo(f"{shown}: already at revision {result.after}")
+    else:
+        click.echo(f"{shown}: migrated {result.before or '(empty)'} -> {result.after}")
+
+
+@lease.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_operator_errors
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Counts per status, live leases, the oldest running run, recent lease expiries."""
+    store = _open_store(ctx)
+    data = store.stats()
+    now: int = data["now"]
+    counts: dict[str, int] = {status: data["counts"].get(status, 0) for status in STATUSES}
+    oldest: RunRecord | None = data["oldest_running"]
+    not_recorded = (
+        "a worker that loses its lease writes nothing to the table, so lease losses seen by "
+        "workers are not counted here: use the celery_lease_lease_lost_total metric or log "
+        "records with lease_event=lost"
+    )
+    if as_json:
+        _echo_json(
+            {
+                "db_now": now,
+                "counts": counts,
+                "total": sum(counts.values()),
+                "live_leases": data["live_leases"],
+                "expired_leases": data["expired_leases"],
+                "oldest_running": None if oldest is None else record_data(oldest, now),
+                "lease_expired_last_hour": data["lease_expired_recent"],
+                "lease_lost_at_workers": None,
+                "note": not_recorded,
+            }
+        )
+        return
+    click.echo(f"lease database   {ctx.meta[_URL_KEY]}")
+    click.echo(f"database clock   {format_time(now)}")
+    click.echo("")
+    width = max(len(s) for s in STATUSES)
+    for status in STATUSES:
+        click.echo(f"  {status.ljust(width)}  {counts[status]}")
+    click.echo(f"  {'total'.ljust(width)}  {sum(counts.values())}")
+    click.echo("")
+    if oldest is None:
+        oldest_text = "-"
+    else:
+        oldest_text = (
+            f"{oldest.id} ({oldest.task_name}), started {format_relative(oldest.started_at, now)},"
+            f" attempt {oldest.attempt}/{oldest.max_attempts}, lease {lease_left(oldest, now)}"
+        )
+    facts = [
+        ("live leases", str(data["live_leases"])),
+        (
+            "expired leases",
+            f"{data['expired_leases']} (running rows whose lease ran out: the next claim "
+            "or sweep takes them)",
+        ),
+        ("oldest running", oldest_text),
+        (
+            "lease expired, last hour",
+            f"{data['lease_expired_recent']} (runs with failure_code=lease_expired updated in "
+            "the last hour; a run re-claimed and finished since no longer carries it)",
+        ),
+        ("lease lost at workers", f"not recorded: {not_recorded}"),
+    ]
+    label_width = max(len(label) for label, _ in facts)
+    for label, text in facts:
+        click.echo(f"{label.ljust(label_width)}  {text}")

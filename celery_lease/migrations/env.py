@@ -1,0 +1,66 @@
+"""Alembic environment for celery-lease's own migrations.
+
+Run through :func:`celery_lease.migrations.upgrade` (``celery lease migrate``),
+which hands over an open connection in ``config.attributes["connection"]``.
+History lives in ``celery_lease_alembic_version``, never in the application's
+own ``alembic_version``, and autogenerate only looks at celery-lease's table.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import Connection, create_engine
+
+from celery_lease.migrations import VERSION_TABLE, include_name
+from celery_lease.schema import metadata
+
+config = context.config
+
+
+def _configure(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+        include_name=include_name,
+        compare_type=True,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_offline() -> None:
+    """Emit SQL to stdout (``alembic upgrade --sql``) instead of running it."""
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"),
+        target_metadata=metadata,
+        version_table=VERSION_TABLE,
+        include_name=include_name,
+        literal_binds=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_online() -> None:
+    """Run on the caller's connection, or on a new engine for ``sqlalchemy.url``."""
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _configure(connection)
+        return
+    url = config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise RuntimeError("celery-lease migrations need a connection or sqlalchemy.url")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            _configure(conn)
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_offline()
+else:
+    run_online()
