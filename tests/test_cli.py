@@ -1,0 +1,261 @@
+"""``celery -A tests.cli_app lease ...`` as a real subprocess, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from celery_lease.migrations import upgrade
+from celery_lease.store import LeaseStore
+from tests.helpers import REPO
+
+PAYLOAD = b'{"args": [7], "kwargs": {}, "options": {}}'
+
+
+class Cli:
+    """Runs the ``celery lease`` command against one lease database."""
+
+    def __init__(self, db_url: str, tmp_path: Path) -> None:
+        self.db_url = db_url
+        self.cwd = tmp_path
+        broker = tmp_path / "broker"
+        (broker / "control").mkdir(parents=True)
+        self.broker = broker
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "CL_LEASE_DB": db_url,
+            "CL_BROKER_URL": "filesystem://",
+            "CL_FS_DIR": str(broker),
+        }
+
+    def __call__(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease", *args]
+        return subprocess.run(
+            cmd,
+            env={**self.env, **env},
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def ok(self, *args: str) -> str:
+        proc = self(*args)
+        assert proc.returncode == 0, f"{args}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 1, one non-empty stderr line starting with ``Error:``, no traceback."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def cli(db_url: str, tmp_path: Path) -> Cli:
+    return Cli(db_url, tmp_path)
+
+
+@pytest.fixture
+def store(cli: Cli) -> Iterator[LeaseStore]:
+    """A store on the CLI's database, migrated."""
+    upgrade(cli.db_url)
+    lease_store = LeaseStore.from_url(cli.db_url)
+    yield lease_store
+    lease_store.engine.dispose()
+
+
+def claim(
+    store: LeaseStore,
+    run_id: str,
+    *,
+    task: str = "cli_app.charge",
+    lease_ms: int = 60_000,
+    **kw: int,
+) -> int:
+    result = store.claim(
+        run_id,
+        f"host-{run_id}:4242:{run_id}secret",
+        task_name=task,
+        lease_ms=lease_ms,
+        max_attempts=kw.get("max_attempts", 3),
+        payload=PAYLOAD,
+        payload_content_type="application/json",
+    )
+    assert result.outcome == "claimed"
+    return result.attempt
+
+
+def test_migrate_creates_schema_then_is_idempotent(cli: Cli) -> None:
+    """`lease migrate` creates the table, a second run reports it is already at head."""
+    first = cli.ok("migrate")
+    assert "migrated (empty) -> 0001" in first
+    assert "already at revision 0001" in cli.ok("migrate")
+    store = LeaseStore.from_url(cli.db_url)
+    assert store.has_schema()
+    store.engine.dispose()
+
+
+def test_migrate_adopts_table_created_on_first_use(cli: Cli) -> None:
+    """`lease migrate` on a table the store auto-created records it instead of crashing."""
+    store = LeaseStore.from_url(cli.db_url)
+    store.create_schema()
+    store.engine.dispose()
+    assert "recorded it at revision 0001" in cli.ok("migrate")
+    assert "already at revision 0001" in cli.ok("migrate")
+
+
+def test_runs_lists_filters_and_prints_json(cli: Cli, store: LeaseStore) -> None:
+    """`lease runs` shows a table; --status, --task and --limit filter; --json is parseable."""
+    claim(store, "run-a")
+    attempt = claim(store, "run-b", task="cli_app.refund")
+    store.complete("run-b", "host-run-b:4242:run-bsecret", attempt)
+    table = cli.ok("runs")
+    header = table.splitlines()[0].split()
+    assert header[:4] == ["ID", "TASK", "STATUS", "ATTEMPT"]
+    assert "run-a" in table and "run-b" in table and "left" in table
+    assert "run-bsecret" not in table  # only host:pid of an owner is shown
+    running = cli.ok("runs", "--status", "running")
+    assert "run-a" in running and "run-b" not in running
+    assert "run-a" not in cli.ok("runs", "--task", "cli_app.refund")
+    data = json.loads(cli.ok("runs", "--json", "--limit", "1"))
+    assert len(data) == 1 and data[0]["id"] in ("run-a", "run-b")
+    everything = {row["id"]: row for row in json.loads(cli.ok("runs", "--json"))}
+    assert everything["run-b"]["status"] == "succeeded"
+    assert 0 < everything["run-a"]["lease_left_ms"] <= 60_000
+    assert "no runs match" in cli.ok("runs", "--status", "cancelled")
+
+
+def test_show_prints_every_column_and_time_left(cli: Cli, store: LeaseStore) -> None:
+    """`lease show` prints all columns, readable times and the lease's time left (DB clock)."""
+    claim(store, "run-s", lease_ms=60_000)
+    text = cli.ok("show", "run-s")
+    names = {line.split()[0] for line in text.splitlines() if line.strip()}
+    for column in ("id", "task_name", "status", "lease_owner", "lease_expires_at", "attempt"):
+        assert column in names
+    for column in ("heartbeat_at", "available_at", "cancel_requested_at", "failure_code"):
+        assert column in names
+    assert "lease_left" in names and " left" in text and "Z  (in " in text
+    assert "bytes (use --payload to print)" in text and '"args"' not in text
+    data = json.loads(cli.ok("show", "run-s", "--json", "--payload"))
+    assert 0 < data["lease_left_ms"] <= 60_000
+    assert data["lease_expires_at"] - data["db_now"] == data["lease_left_ms"]
+    assert json.loads(data["payload"])["args"] == [7]
+
+
+def test_show_unknown_run_is_one_line_error(cli: Cli, store: LeaseStore) -> None:
+    """An unknown run id ends with one stderr line and exit status 1."""
+    assert_one_line_error(cli("show", "no-such-run"), "no run with id 'no-such-run'")
+    assert_one_line_error(cli("cancel", "no-such-run"), "no run with id")
+
+
+def test_cancel_running_and_retrying_runs(cli: Cli, store: LeaseStore) -> None:
+    """`lease cancel` requests cancel of a running run and ends a retrying one at once."""
+    claim(store, "run-r")
+    attempt = claim(store, "run-q")
+    store.release("run-q", "host-run-q:4242:run-qsecret", attempt, available_in=60)
+    assert "cancel requested" in cli.ok("cancel", "run-r")
+    running = store.get("run-r")
+    assert running is not None and running.status == "running"
+    assert running.cancel_requested_at is not None
+    assert "is cancelled" in cli.ok("cancel", "run-q")
+    retrying = store.get("run-q")
+    assert retrying is not None and retrying.status == "cancelled"
+    assert "cancel requested" in cli.ok("runs")
+    assert "is cancelled" in cli.ok("cancel", "run-q")  # idempotent
+    done = claim(store, "run-d")
+    store.complete("run-d", "host-run-d:4242:run-dsecret", done)
+    assert_one_line_error(cli("cancel", "run-d"), "already succeeded")
+
+
+def test_sweep_recovers_expired_leases_and_reports(cli: Cli, store: LeaseStore) -> None:
+    """`lease sweep` re-enqueues an expired run, fails one with attempts spent, and says so."""
+    claim(store, "run-x")
+    claim(store, "run-y", max_attempts=1)
+    claim(store, "run-live")
+    assert store.expire("run-x") and store.expire("run-y")
+    out = cli.ok("sweep")
+    assert "re-enqueued (retrying): 1" in out and "  run-x" in out
+    assert "failed (lease expired, attempts spent): 1" in out and "  run-y" in out
+    assert "run-live" not in out
+    statuses = {r: store.get(r).status for r in ("run-x", "run-y", "run-live")}  # type: ignore[union-attr]
+    assert statuses == {"run-x": "retrying", "run-y": "failed", "run-live": "running"}
+    assert any(cli.broker.glob("*.msg")), "the re-enqueued message is on the broker"
+    assert "nothing to sweep" in cli.ok("sweep")
+    assert json.loads(cli.ok("sweep", "--json"))["requeued"] == []
+
+
+def test_stats_counts_and_honest_gaps(cli: Cli, store: LeaseStore) -> None:
+    """`lease stats` counts statuses and leases, and says lease losses at workers aren't stored."""
+    claim(store, "run-1")
+    claim(store, "run-2")
+    claim(store, "run-3", max_attempts=1)
+    store.expire("run-2")
+    store.expire("run-3")
+    cli.ok("sweep")  # run-3 ends failed with failure_code lease_expired
+    claim(store, "run-4")
+    store.expire("run-4")
+    data = json.loads(cli.ok("stats", "--json"))
+    assert data["counts"]["running"] == 2 and data["counts"]["failed"] == 1
+    assert data["counts"]["retrying"] == 1 and data["total"] == 4
+    assert data["live_leases"] == 1 and data["expired_leases"] == 1
+    assert data["oldest_running"]["id"] in ("run-1", "run-4")
+    assert data["lease_expired_last_hour"] == 2  # run-2 (requeued) and run-3 (failed)
+    assert data["lease_lost_at_workers"] is None and "not counted" in data["note"]
+    text = cli.ok("stats")
+    assert "live leases" in text and "oldest running" in text and "not recorded" in text
+
+
+def test_unreachable_database_is_one_line_without_password(cli: Cli) -> None:
+    """A database nobody listens on: one line, exit 1, no traceback, password hidden."""
+    for command in (("runs",), ("show", "x"), ("stats",), ("migrate",)):
+        proc = cli(*command, CL_LEASE_DB="postgresql+psycopg://ops:hunter2@127.0.0.1:1/leases")
+        line = assert_one_line_error(proc, "ops:***@127.0.0.1:1")
+        assert "hunter2" not in proc.stderr + proc.stdout, line
+
+
+def test_invalid_url_and_unknown_backend_are_one_line(cli: Cli) -> None:
+    """A malformed URL or an unsupported database is rejected in one line naming the key."""
+    assert_one_line_error(cli("runs", CL_LEASE_DB="not a url"), "lease_database_url")
+    proc = cli("--database-url", "oracle://u:pw@h/db", "stats")
+    assert_one_line_error(proc, "lease_database_url", "oracle")
+
+
+def test_missing_sqlite_file_or_table_is_reported(cli: Cli, tmp_path: Path) -> None:
+    """A missing SQLite file is not created by a read; a database without the table says migrate."""
+    missing = tmp_path / "nowhere.sqlite3"
+    assert_one_line_error(cli("runs", CL_LEASE_DB=f"sqlite:///{missing}"), "does not exist")
+    assert not missing.exists()
+    engine = create_engine(cli.db_url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE app_table (x INTEGER)"))
+    engine.dispose()
+    assert_one_line_error(cli("runs"), "has no celery_lease_runs table", "lease migrate")
+
+
+def test_password_in_url_is_never_printed(cli: Cli, db_url: str) -> None:
+    """With a password in the URL, migrate and stats print it masked."""
+    url = make_url(db_url)
+    if url.get_backend_name() == "sqlite":
+        pytest.skip("SQLite URLs carry no password")
+    with_password = url.set(password="s3cr3t-pw").render_as_string(hide_password=False)
+    for command in (("migrate",), ("stats",)):
+        proc = cli(*command, CL_LEASE_DB=with_password)
+        assert proc.returncode == 0, proc.stderr
+        assert "s3cr3t-pw" not in proc.stdout + proc.stderr
+    assert "***" in cli("stats", CL_LEASE_DB=with_password).stdout
