@@ -133,6 +133,9 @@ def install(app: Celery) -> None:
     """
     if app.__dict__.get("_celery_lease_installed"):
         return
+    from .metrics import enable_from_app
+
+    enable_from_app(app)  # lease_metrics = True; a clear ImportError without the extra
     app._celery_lease_installed = True
     _installed_apps.append(app)
     app.steps["worker"].add(LeaseBootstep)

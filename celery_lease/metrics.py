@@ -1,0 +1,208 @@
+"""Prometheus metrics for lease events (optional extra: ``pip install celery-lease[prometheus]``).
+
+Turn them on with ``app.conf.lease_metrics = True`` (read by :func:`celery_lease.install`)
+or by calling :func:`enable`. They count the events this process emits through
+:mod:`celery_lease.events`; ``prometheus_client`` is imported only then, so the
+package works without the extra.
+
+Exported (names as Prometheus shows them):
+
+- ``celery_lease_claims_total``: claims that won a lease (a body started).
+- ``celery_lease_busy_total``: deliveries refused by another live lease or a full
+  concurrency key.
+- ``celery_lease_completed_total``: runs recorded ``succeeded``.
+- ``celery_lease_failures_total{outcome}``: failed attempts, ``outcome`` =
+  ``retrying`` or ``failed`` (attempts spent).
+- ``celery_lease_lease_lost_total``: leases this process lost (counted once per
+  run attempt, whether the heartbeat or the guarded write saw it first).
+- ``celery_lease_sweep_recovered_total{action}``: runs the sweeper acted on:
+  ``expired``/``stranded`` (re-enqueued), ``failed``, ``cancelled``, ``handoff``.
+- ``celery_lease_cancelled_total``: runs a worker ended ``cancelled`` after a
+  cancel request.
+- ``celery_lease_duplicates_dropped_total``: deliveries of finished runs dropped.
+- ``celery_lease_database_errors_total{stage}``: lease database errors at
+  ``claim`` or ``fail``.
+- ``celery_lease_heartbeat_seconds``: latency of one batched heartbeat statement.
+
+Counts live in the process that emitted the event. With the prefork pool those
+are the pool children: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set and
+export with ``prometheus_client.multiprocess.MultiProcessCollector``, as the
+``prometheus_client`` docs describe for any forking server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+
+from .events import add_listener, remove_listener
+
+SETTING = "lease_metrics"
+
+#: Heartbeat latency buckets, in seconds (one UPDATE: milliseconds, unless the DB struggles).
+HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_SWEEP_ACTIONS = ("expired", "stranded", "failed", "cancelled", "handoff")
+
+_lock = threading.Lock()
+_enabled: dict[int, LeaseMetrics] = {}
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(
+            "celery-lease metrics need prometheus-client: pip install 'celery-lease[prometheus]' "
+            f"(or set {SETTING} = False)"
+        ) from exc
+    return prometheus_client
+
+
+class LeaseMetrics:
+    """The metric objects, and the event listener that updates them.
+
+    Args:
+        registry: the ``prometheus_client`` registry to register in (default:
+            the global ``REGISTRY``).
+    """
+
+    #: How many (run id, attempt) pairs are remembered to count each lease loss once.
+    LOST_MEMORY = 10_000
+
+    def __init__(self, registry: Any = None) -> None:
+        prom = _prometheus()
+        kw: dict[str, Any] = {} if registry is None else {"registry": registry}
+        self.registry = registry if registry is not None else prom.REGISTRY
+        self.claims = prom.Counter(
+            "celery_lease_claims", "Claims that won a lease (a body started).", **kw
+        )
+        self.busy = prom.Counter(
+            "celery_lease_busy",
+            "Deliveries refused: another live lease or a full concurrency key.",
+            **kw,
+        )
+        self.completed = prom.Counter(
+            "celery_lease_completed", "Runs recorded succeeded by their lease owner.", **kw
+        )
+        self.failures = prom.Counter(
+            "celery_lease_failures",
+            "Failed attempts; outcome=retrying or failed (attempts spent).",
+            ["outcome"],
+            **kw,
+        )
+        self.lease_lost = prom.Counter(
+            "celery_lease_lease_lost", "Leases this process lost (once per run attempt).", **kw
+        )
+        self.sweep_recovered = prom.Counter(
+            "celery_lease_sweep_recovered",
+            "Runs the sweeper acted on, by action.",
+            ["action"],
+            **kw,
+        )
+        self.cancelled = prom.Counter(
+            "celery_lease_cancelled", "Runs ended cancelled after a cancel request.", **kw
+        )
+        self.duplicates = prom.Counter(
+            "celery_lease_duplicates_dropped", "Deliveries of finished runs dropped.", **kw
+        )
+        self.db_errors = prom.Counter(
+            "celery_lease_database_errors",
+            "Lease database errors, by stage (claim, fail).",
+            ["stage"],
+            **kw,
+        )
+        self.heartbeat = prom.Histogram(
+            "celery_lease_heartbeat_seconds",
+            "Latency of one batched heartbeat statement.",
+            buckets=HEARTBEAT_BUCKETS,
+            **kw,
+        )
+        for outcome in ("retrying", "failed"):
+            self.failures.labels(outcome=outcome)
+        for action in _SWEEP_ACTIONS:
+            self.sweep_recovered.labels(action=action)
+        for stage in ("claim", "fail"):
+            self.db_errors.labels(stage=stage)
+        self._lost_seen: OrderedDict[tuple[Any, Any], None] = OrderedDict()
+        self._lost_lock = threading.Lock()
+
+    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+        """The :func:`celery_lease.events.add_listener` hook."""
+        if event == "claimed":
+            self.claims.inc()
+        elif event == "busy":
+            self.busy.inc()
+        elif event == "completed":
+            self.completed.inc()
+        elif event in ("retrying", "failed"):
+            self.failures.labels(outcome=event).inc()
+        elif event == "lost":
+            if self._first_loss(fields.get("run_id"), fields.get("attempt")):
+                self.lease_lost.inc()
+        elif event == "swept":
+            self.sweep_recovered.labels(action=str(fields.get("action") or "unknown")).inc()
+        elif event == "cancelled":
+            self.cancelled.inc()
+        elif event == "duplicate_dropped":
+            self.duplicates.inc()
+        elif event in ("claim_error", "fail_error"):
+            self.db_errors.labels(stage=event.partition("_")[0]).inc()
+        elif event == "heartbeat":
+            seconds = fields.get("seconds")
+            if isinstance(seconds, (int, float)):
+                self.heartbeat.observe(float(seconds))
+
+    def _first_loss(self, run_id: Any, attempt: Any) -> bool:
+        """True the first time a (run, attempt) loss is seen: heartbeat and write both report it."""
+        if run_id is None or attempt is None:
+            return True
+        key = (run_id, attempt)
+        with self._lost_lock:
+            if key in self._lost_seen:
+                return False
+            self._lost_seen[key] = None
+            while len(self._lost_seen) > self.LOST_MEMORY:
+                self._lost_seen.popitem(last=False)
+        return True
+
+
+def enable(registry: Any = None) -> LeaseMetrics:
+    """Count lease events of this process in ``registry`` (default: the global one).
+
+    Idempotent per registry. Raises ImportError, saying how to install the
+    extra, when ``prometheus_client`` is missing.
+    """
+    prom = _prometheus()
+    target = registry if registry is not None else prom.REGISTRY
+    with _lock:
+        metrics = _enabled.get(id(target))
+        if metrics is None or metrics.registry is not target:
+            metrics = LeaseMetrics(target)
+            _enabled[id(target)] = metrics
+        add_listener(metrics)
+    return metrics
+
+
+def disable(metrics: LeaseMetrics) -> None:
+    """Stop updating ``metrics`` (its series stay registered)."""
+    remove_listener(metrics)
+
+
+def enable_from_app(app: Celery) -> LeaseMetrics | None:
+    """Enable metrics when ``app.conf.lease_metrics`` is True; validate the setting.
+
+    Raises:
+        ImproperlyConfigured: ``lease_metrics`` is not a boolean.
+        ImportError: it is True and ``prometheus_client`` is not installed.
+    """
+    value = app.conf.get(SETTING)
+    if value is None or value is False:
+        return None
+    if value is not True:
+        raise ImproperlyConfigured(f"{SETTING} must be True or False, got {value!r}")
+    return enable()

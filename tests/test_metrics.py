@@ -1,0 +1,165 @@
+"""``celery_lease.metrics``: Prometheus counters fed by lease events."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+from prometheus_client import CollectorRegistry
+
+import celery_lease.app
+from celery_lease import LeasedTask, LeaseLost, install, testing
+from celery_lease import metrics as lease_metrics
+from celery_lease.app import store_for
+from celery_lease.events import _listeners, emit
+from tests.helpers import REPO
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    """A private registry with lease metrics enabled on it, disabled afterwards."""
+    reg = CollectorRegistry()
+    metrics = lease_metrics.enable(reg)
+    yield reg
+    lease_metrics.disable(metrics)
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    sample = reg.get_sample_value(name, labels or None)
+    return 0.0 if sample is None else sample
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[Celery]:
+    app = Celery("metrics", set_as_current=False)
+    app.conf.update(broker_url="memory://", broker_connection_retry_on_startup=True)
+    testing.use_lease_database(app, tmp_path / "leases.sqlite3", lease_max_attempts=1)
+    yield app
+    testing.shutdown_leases(app)
+
+
+def test_events_update_counters(registry: CollectorRegistry) -> None:
+    """Each emitted lease event moves its counter (or the heartbeat histogram)."""
+    emit("claimed", "r1", "x", attempt=1)
+    emit("busy", "r1", "x", retry_in=1.0, policy="retry")
+    emit("completed", "r1", "x", attempt=1)
+    emit("retrying", "r2", "x", attempt=1)
+    emit("failed", "r2", "x", attempt=2)
+    emit("cancelled", "r3", "x", attempt=1)
+    emit("duplicate_dropped", "r1", "x", status="succeeded")
+    emit("claim_error", "r4", "x")
+    emit("swept", "r5", "x", action="expired")
+    emit("swept", "r6", "x", action="failed")
+    emit("heartbeat", None, "x", leases=3, seconds=0.004)
+    assert value(registry, "celery_lease_claims_total") == 1
+    assert value(registry, "celery_lease_busy_total") == 1
+    assert value(registry, "celery_lease_completed_total") == 1
+    assert value(registry, "celery_lease_failures_total", outcome="retrying") == 1
+    assert value(registry, "celery_lease_failures_total", outcome="failed") == 1
+    assert value(registry, "celery_lease_cancelled_total") == 1
+    assert value(registry, "celery_lease_duplicates_dropped_total") == 1
+    assert value(registry, "celery_lease_database_errors_total", stage="claim") == 1
+    assert value(registry, "celery_lease_sweep_recovered_total", action="expired") == 1
+    assert value(registry, "celery_lease_sweep_recovered_total", action="failed") == 1
+    assert value(registry, "celery_lease_heartbeat_seconds_count") == 1
+    assert value(registry, "celery_lease_heartbeat_seconds_bucket", le="0.005") == 1
+    assert value(registry, "celery_lease_heartbeat_seconds_bucket", le="0.0025") == 0
+
+
+def test_lease_lost_counted_once_per_attempt(registry: CollectorRegistry) -> None:
+    """The heartbeat and the refused write both report a loss; it counts once per attempt."""
+    emit("lost", "r1", "heartbeat refused", attempt=1)
+    emit("lost", "r1", "complete refused", attempt=1, policy="retry")
+    emit("lost", "r1", "again, next attempt", attempt=2)
+    assert value(registry, "celery_lease_lease_lost_total") == 2
+
+
+def test_real_runs_are_counted(app: Celery, registry: CollectorRegistry) -> None:
+    """Leased tasks run in process move claims, completed, failures and lease-lost."""
+    store = store_for(app)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="metrics.ok")
+    def ok(self: LeasedTask) -> str:
+        return "ok"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="metrics.boom")
+    def boom(self: LeasedTask) -> str:
+        raise ValueError("boom")
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="metrics.stolen", lease_lost_policy="abort"
+    )
+    def stolen(self: LeasedTask) -> str:
+        testing.steal_lease(store, self.lease.run_id)
+        return "late"
+
+    ok.delay()
+    with pytest.raises(ValueError):
+        boom.delay()
+    with pytest.raises(LeaseLost):
+        stolen.delay()
+    assert value(registry, "celery_lease_claims_total") == 3
+    assert value(registry, "celery_lease_completed_total") == 1
+    assert value(registry, "celery_lease_failures_total", outcome="failed") == 1
+    assert value(registry, "celery_lease_lease_lost_total") == 1
+
+
+def test_enable_is_idempotent_per_registry() -> None:
+    """enable() twice on one registry returns the same metrics and registers once."""
+    reg = CollectorRegistry()
+    first = lease_metrics.enable(reg)
+    try:
+        assert lease_metrics.enable(reg) is first
+        assert _listeners.count(first) == 1
+    finally:
+        lease_metrics.disable(first)
+    assert first not in _listeners
+
+
+def test_lease_metrics_setting_enables_on_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """app.conf.lease_metrics = True makes install() enable metrics; other values are refused."""
+    enabled: list[object] = []
+    monkeypatch.setattr(celery_lease.app, "_installed_apps", [])  # keep these apps local
+    monkeypatch.setattr(lease_metrics, "enable", lambda registry=None: enabled.append(registry))
+    app = Celery("m1", set_as_current=False)
+    app.conf.lease_metrics = True
+    install(app)
+    assert enabled == [None]
+    off = Celery("m2", set_as_current=False)
+    install(off)
+    assert enabled == [None]
+    bad = Celery("m3", set_as_current=False)
+    bad.conf.lease_metrics = "yes"
+    with pytest.raises(ImproperlyConfigured, match="lease_metrics must be True or False"):
+        install(bad)
+
+
+def test_missing_extra_gives_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enabling metrics without prometheus-client says which extra to install."""
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ImportError, match=r"pip install 'celery-lease\[prometheus\]'"):
+        lease_metrics.enable()
+
+
+def test_package_imports_without_prometheus() -> None:
+    """celery_lease, its CLI and metrics module import without prometheus_client."""
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import celery_lease, celery_lease.cli, celery_lease.metrics, celery_lease.testing\n"
+        "from celery import Celery\n"
+        "app = Celery('x', set_as_current=False); celery_lease.install(app); print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
