@@ -16,6 +16,7 @@ from .config import LeaseConfig
 from .heartbeat import Heartbeat
 from .sanitize import describe_exception, safe_url
 from .store import LeaseStore
+from .sweeper import BEAT_ENTRY_NAME, SWEEP_TASK_NAME, SweepReport, register_sweep_task, requeue_all
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
                 safe_url(config.database_url),
                 describe_exception(exc),
             )
+        register_sweep_task(app)
         super().__init__(parent, **kwargs)
 
 
@@ -109,6 +111,29 @@ def _on_worker_process_init(**kwargs: Any) -> None:
     for app_runtimes in _all_runtimes():
         for runtime in list(app_runtimes.values()):
             runtime.store.dispose_after_fork()
+
+
+def _on_worker_shutting_down(sender: Any = None, **kwargs: Any) -> None:
+    """Warm (or cold) shutdown: hand back every lease this worker node holds.
+
+    The runs become ``retrying``, available now, and are re-enqueued, so
+    another worker takes them over at once instead of after expiry. The bodies
+    still running here see the loss on their next heartbeat (and are
+    interrupted where ``lease_interrupt`` is on); their completions are refused.
+    """
+    if not sender:
+        return
+    for app in list(_installed_apps):
+        config = LeaseConfig.from_app(app)
+        try:
+            released = runtime_for(app, config).store.release_owned_by(f"{sender}:")
+        except SQLAlchemyError as exc:
+            logger.warning(
+                "celery-lease: could not hand back leases at shutdown: %s",
+                describe_exception(exc),
+            )
+            continue
+        requeue_all(app, released, SweepReport(), "handoff")
 
 
 def _on_worker_process_shutdown(**kwargs: Any) -> None:
@@ -123,6 +148,18 @@ _installed_apps: list[Celery] = []
 
 def _all_runtimes() -> list[dict[str, Runtime]]:
     return [app.__dict__.get("_celery_lease_runtimes", {}) for app in _installed_apps]
+
+
+def _add_beat_entry(app: Celery) -> None:
+    """Schedule ``celery_lease.sweep`` in beat every ``lease_sweep_interval`` seconds."""
+    schedule = dict(app.conf.beat_schedule or {})
+    if BEAT_ENTRY_NAME in schedule:
+        return
+    interval = app.conf.get("lease_sweep_interval") or 60.0
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+        interval = 60.0  # the bootstep reports the bad value; beat keeps a sane default
+    schedule[BEAT_ENTRY_NAME] = {"task": SWEEP_TASK_NAME, "schedule": float(interval)}
+    app.conf.beat_schedule = schedule
 
 
 def install(app: Celery) -> None:
@@ -142,6 +179,10 @@ def install(app: Celery) -> None:
     signals.worker_process_init.connect(
         _on_worker_process_init, weak=False, dispatch_uid="celery_lease.process_init"
     )
+    signals.worker_shutting_down.connect(
+        _on_worker_shutting_down, weak=False, dispatch_uid="celery_lease.shutting_down"
+    )
+    _add_beat_entry(app)
     signals.worker_process_shutdown.connect(
         _on_worker_process_shutdown, weak=False, dispatch_uid="celery_lease.process_shutdown"
     )

@@ -82,6 +82,7 @@ class ClaimResult:
     status: str
     retry_in: float = 0.0
     lease_expires_at: int | None = None
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +202,7 @@ class LeaseStore:
         lease_ms: int,
         max_attempts: int,
         concurrency_key: str | None = None,
+        max_concurrency: int | None = None,
         payload: bytes | None = None,
         payload_content_type: str | None = None,
     ) -> ClaimResult:
@@ -209,6 +211,9 @@ class LeaseStore:
         A run is taken over when it is queued/retrying and available, or running
         with an expired lease, and has attempts left and no cancel request.
         Otherwise nothing changes and the result says why (busy or finished).
+        With ``max_concurrency``, the claim also waits (busy, reason
+        ``concurrency``) while that many live leases share ``concurrency_key``;
+        the count and the claim happen under one lock on the key.
         """
         values = {
             "id": run_id,
@@ -222,7 +227,12 @@ class LeaseStore:
             "payload": payload,
             "payload_content_type": payload_content_type,
         }
-        if self._upsert:
+        if max_concurrency is not None and concurrency_key is not None:
+            limited = self._claim_limited(values, lease_ms, max_attempts, max_concurrency)
+            if isinstance(limited, ClaimResult):
+                return limited
+            row = limited
+        elif self._upsert:
             row = self._claim_upsert(values, lease_ms, max_attempts)
         else:
             row = self._claim_locked(values, lease_ms, max_attempts)
@@ -269,7 +279,11 @@ class LeaseStore:
         }
 
     def _claim_upsert(
-        self, values: dict[str, Any], lease_ms: int, max_attempts: int
+        self,
+        values: dict[str, Any],
+        lease_ms: int,
+        max_attempts: int,
+        conn: Connection | None = None,
     ) -> tuple[int, int] | None:
         """One ``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` (PG, SQLite)."""
         dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
@@ -283,9 +297,53 @@ class LeaseStore:
             )
             .returning(runs.c.attempt, runs.c.lease_expires_at)
         )
-        with self._auto.connect() as conn:
+        if conn is not None:
             row = conn.execute(stmt).first()
+        else:
+            with self._auto.connect() as auto:
+                row = auto.execute(stmt).first()
         return None if row is None else (int(row[0]), int(row[1]))
+
+    def _claim_limited(
+        self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int
+    ) -> ClaimResult | tuple[int, int] | None:
+        """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
+
+        PostgreSQL: a transaction-scoped advisory lock on the key. SQLite: the
+        database write lock taken by ``BEGIN IMMEDIATE``. MySQL: the key's rows
+        locked ``FOR UPDATE``.
+        """
+        key = values["concurrency_key"]
+        now = db_now_ms()
+        with self.engine.begin() as conn:
+            if self.dialect == "postgresql":
+                conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
+            elif self.dialect != "sqlite":
+                conn.execute(
+                    select(runs.c.id).where(runs.c.concurrency_key == key).with_for_update()
+                )
+            live = conn.execute(
+                select(func.count(), func.min(runs.c.lease_expires_at - now)).where(
+                    runs.c.concurrency_key == key,
+                    runs.c.status == RUNNING,
+                    runs.c.lease_expires_at > now,
+                    runs.c.id != values["id"],
+                )
+            ).one()
+            if int(live[0]) >= limit:
+                left = max(0, int(live[1] or 0)) / 1000.0
+                return ClaimResult(
+                    "busy",
+                    values["id"],
+                    values["lease_owner"],
+                    0,
+                    RUNNING,
+                    left,
+                    reason="concurrency",
+                )
+            if self._upsert:
+                return self._claim_upsert(values, lease_ms, max_attempts, conn)
+        return self._claim_locked(values, lease_ms, max_attempts)
 
     def _claim_locked(
         self, values: dict[str, Any], lease_ms: int, max_attempts: int
@@ -354,7 +412,15 @@ class LeaseStore:
                 continue
             if claimable:
                 continue  # it became claimable between our two statements
-            return ClaimResult("busy", run_id, owner, attempt, status, max(0, wait_ms) / 1000.0)
+            return ClaimResult(
+                "busy",
+                run_id,
+                owner,
+                attempt,
+                status,
+                max(0, wait_ms) / 1000.0,
+                reason="lease" if status == RUNNING else "backoff",
+            )
         return ClaimResult("busy", run_id, owner, 0, RUNNING, 0.0)
 
     def _end_unclaimable(
@@ -532,6 +598,140 @@ class LeaseStore:
             finished_at=now,
             updated_at=now,
         )
+
+    # -- recovery -------------------------------------------------------------
+
+    def sweep_expired(self, limit: int = 500) -> list[tuple[RunRecord, str]]:
+        """End or hand back running runs whose lease expired (DB clock), at most ``limit``.
+
+        Each row moves, by a statement guarded on owner, attempt, status and the
+        expiry, to ``retrying`` (available now), or ``failed`` with
+        ``lease_expired`` when attempts are spent, or ``cancelled`` when a cancel
+        was requested. Only rows this call moved are returned, so two sweepers
+        never both act on the same expired lease.
+        """
+        now = db_now_ms()
+        with self._auto.connect() as conn:
+            rows = (
+                conn.execute(
+                    select(runs)
+                    .where(runs.c.status == RUNNING, runs.c.lease_expires_at <= now)
+                    .order_by(runs.c.lease_expires_at)
+                    .limit(limit)
+                )
+                .mappings()
+                .all()
+            )
+        moved: list[tuple[RunRecord, str]] = []
+        for row in rows:
+            record = RunRecord(**dict(row))
+            status = self._sweep_one(record)
+            if status is not None:
+                moved.append((record, status))
+        return moved
+
+    def _sweep_one(self, record: RunRecord) -> str | None:
+        """The guarded transition of one expired lease; None if it changed meanwhile."""
+        now = db_now_ms()
+        values: dict[str, Any] = {"updated_at": now, "lease_expires_at": now}
+        if record.cancel_requested_at is not None:
+            status = CANCELLED
+            values.update(failure_code="cancelled", finished_at=now)
+        elif record.attempt >= record.max_attempts:
+            status = FAILED
+            values.update(
+                failure_code="lease_expired",
+                last_error=f"lease expired on attempt {record.attempt} of {record.max_attempts}"
+                " (worker lost or stalled)",
+                finished_at=now,
+            )
+        else:
+            status = RETRYING
+            values.update(
+                available_at=now,
+                failure_code="lease_expired",
+                last_error=f"lease expired on attempt {record.attempt} (worker lost or stalled)",
+            )
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == record.id,
+                runs.c.lease_owner == record.lease_owner,
+                runs.c.attempt == record.attempt,
+                runs.c.status == RUNNING,
+                runs.c.lease_expires_at <= now,
+            )
+            .values(status=status, **values)
+        )
+        with self._auto.connect() as conn:
+            return status if conn.execute(stmt).rowcount == 1 else None
+
+    def reclaim_stale(self, older_than: float, limit: int = 500) -> list[RunRecord]:
+        """Queued/retrying runs available for ``older_than`` s yet never claimed.
+
+        Their delivery was most likely lost (a broker that does not redeliver, a
+        failed publish). Each returned row had ``available_at`` moved to now by
+        a guarded statement, so concurrent sweepers return disjoint rows.
+        """
+        now = db_now_ms()
+        with self._auto.connect() as conn:
+            rows = (
+                conn.execute(
+                    select(runs)
+                    .where(
+                        runs.c.status.in_((QUEUED, RETRYING)),
+                        runs.c.available_at <= now - round(older_than * 1000),
+                        runs.c.cancel_requested_at.is_(None),
+                    )
+                    .order_by(runs.c.available_at)
+                    .limit(limit)
+                )
+                .mappings()
+                .all()
+            )
+            taken: list[RunRecord] = []
+            for row in rows:
+                record = RunRecord(**dict(row))
+                stmt = (
+                    update(runs)
+                    .where(
+                        runs.c.id == record.id,
+                        runs.c.status == record.status,
+                        runs.c.attempt == record.attempt,
+                        runs.c.available_at == record.available_at,
+                    )
+                    .values(available_at=db_now_ms(), updated_at=db_now_ms())
+                )
+                if conn.execute(stmt).rowcount == 1:
+                    taken.append(record)
+        return taken
+
+    def release_owned_by(self, owner_prefix: str) -> list[RunRecord]:
+        """Hand back every running lease whose owner starts with ``owner_prefix``.
+
+        Used on a worker's warm shutdown (the prefix is its node name). Each
+        release is guarded like :meth:`release`; the released rows are returned.
+        """
+        with self._auto.connect() as conn:
+            rows = (
+                conn.execute(
+                    select(runs).where(
+                        runs.c.status == RUNNING,
+                        runs.c.lease_owner.startswith(owner_prefix, autoescape=True),
+                    )
+                )
+                .mappings()
+                .all()
+            )
+        released: list[RunRecord] = []
+        for row in rows:
+            record = RunRecord(**dict(row))
+            try:
+                self.release(record.id, str(record.lease_owner), record.attempt)
+            except LeaseLost:
+                continue
+            released.append(record)
+        return released
 
     # -- control --------------------------------------------------------------
 

@@ -126,6 +126,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 lease_ms=config.lease_ms,
                 max_attempts=config.max_attempts,
                 concurrency_key=self._concurrency_key(config, args, kwargs),
+                max_concurrency=config.max_concurrency,
                 **self._payload(args, kwargs),
             )
         except SQLAlchemyError as exc:
@@ -249,11 +250,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         self._reschedule(backoff_delay(config, 1), exc)
 
     def _on_busy(self, config: LeaseConfig, claim: ClaimResult) -> NoReturn:
-        reason = (
-            "held by another worker"
-            if claim.status == "running"
-            else f"{claim.status}, not available yet (retry backoff)"
-        )
+        reason = {
+            "concurrency": "concurrency limit reached",
+            "backoff": "waiting for its retry backoff",
+        }.get(claim.reason, "held by another worker")
         busy = LeaseBusy(claim.run_id, claim.retry_in, reason)
         emit(
             "busy",
@@ -267,7 +267,14 @@ class LeasedTask(Task):  # type: ignore[misc]
             raise busy
         if config.busy_policy == "skip":
             raise Ignore()
-        self._reschedule(busy_delay(config, claim.retry_in, self.request.retries), busy)
+        if claim.reason == "concurrency":
+            # A slot frees when any holder finishes, usually well before its
+            # lease would expire: poll with jittered backoff, capped by that.
+            delay = min(claim.retry_in, backoff_delay(config, self.request.retries + 1))
+            delay = max(delay, 0.05)
+        else:
+            delay = busy_delay(config, claim.retry_in, self.request.retries)
+        self._reschedule(delay, busy)
 
     def _drop_finished(self, claim: ClaimResult) -> NoReturn:
         emit(

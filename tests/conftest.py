@@ -18,6 +18,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from celery_lease.store import LeaseStore
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import Worker, require
 
 PG_ENV = "CELERY_LEASE_TEST_PG_URL"
@@ -80,3 +81,22 @@ def workers(tmp_path: Path) -> Iterator[list[Worker]]:
     yield started
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture(params=SETUPS, ids=SETUP_IDS)
+def cluster(
+    request: pytest.FixtureRequest, tmp_path: Path, workers: list[Worker]
+) -> Iterator[Cluster]:
+    """A cluster per set-up: SQLite + filesystem broker, SQLite + Redis, PostgreSQL + Redis."""
+    db, broker = request.param
+    db_url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
+    if broker == "redis":
+        redis = request.getfixturevalue("redis_url")
+        broker_env = {"CL_BROKER_URL": redis, "CL_RESULT_BACKEND": redis}
+    else:
+        folder = tmp_path / "broker"
+        (folder / "control").mkdir(parents=True)
+        broker_env = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+    c = Cluster(str(db_url), broker_env, tmp_path, workers)
+    yield c
+    c.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ class Worker:
         concurrency: int = 2,
         app: str = "tests.workerapp",
         extra_args: tuple[str, ...] = (),
+        command: list[str] | None = None,
     ) -> None:
         self.log_path = log_path
         self.name = name
@@ -67,6 +69,8 @@ class Worker:
             "--without-mingle",
             *extra_args,
         ]
+        if command is not None:
+            cmd = [sys.executable, "-m", "celery", "-A", app, *command]
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         # A new session makes this PID the group id, so the pool children can be
         # signalled with the group the test itself created.
@@ -97,10 +101,8 @@ class Worker:
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker and its pool children (the group we created)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def pause(self) -> None:
         """SIGSTOP the whole worker (main process and pool children)."""
@@ -120,10 +122,8 @@ class Worker:
         if self.proc.poll() is None:
             self.signal_group(signal.SIGCONT)
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
         self.signal_group(signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(10)

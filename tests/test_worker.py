@@ -9,92 +9,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from celery import Celery
-from sqlalchemy import create_engine, select
 
-from celery_lease import LeaseStore
-from tests.helpers import REPO, Worker, wait_for
-from tests.workerapp import effects, effects_metadata
-
-SETUPS = [("sqlite", "filesystem"), ("sqlite", "redis"), ("postgresql", "redis")]
-
-
-class Cluster:
-    """A lease database, a broker queue, and the workers a test starts on them."""
-
-    def __init__(
-        self, db_url: str, broker_env: dict[str, str], tmp_path: Path, workers: list[Worker]
-    ) -> None:
-        self.db_url = db_url
-        self.tmp_path = tmp_path
-        self.queue = f"q{uuid.uuid4().hex[:8]}"
-        self.env = {**broker_env, "CL_LEASE_DB": db_url, "CL_QUEUE": self.queue}
-        self._workers = workers
-        self.store = LeaseStore.from_url(db_url)
-        self.store.create_schema()
-        self.engine = create_engine(db_url)
-        effects_metadata.create_all(self.engine)
-        self.producer = Celery("producer")
-        self.producer.conf.update(
-            broker_url=broker_env["CL_BROKER_URL"],
-            task_default_queue=self.queue,
-            broker_connection_retry_on_startup=True,
-        )
-        if "CL_FS_DIR" in broker_env:
-            folder = broker_env["CL_FS_DIR"]
-            self.producer.conf.broker_transport_options = {
-                "data_folder_in": folder,
-                "data_folder_out": folder,
-                "control_folder": f"{folder}/control",
-            }
-
-    def start(self, name: str, **env: str) -> Worker:
-        worker = Worker({**self.env, **env}, self.tmp_path / f"{name}.log", name=name)
-        self._workers.append(worker)
-        return worker.wait_ready()
-
-    def send(self, task: str, *args: Any, task_id: str | None = None) -> str:
-        task_id = task_id or uuid.uuid4().hex
-        self.producer.send_task(task, args=args, task_id=task_id, queue=self.queue)
-        return task_id
-
-    def effects(self, run_id: str, kind: str | None = None) -> list[Any]:
-        query = select(effects).where(effects.c.run_id == run_id).order_by(effects.c.id)
-        if kind:
-            query = query.where(effects.c.kind == kind)
-        with self.engine.connect() as conn:
-            return list(conn.execute(query).all())
-
-    def status(self, run_id: str) -> str | None:
-        row = self.store.get(run_id)
-        return None if row is None else row.status
-
-    def close(self) -> None:
-        self.store.engine.dispose()
-        self.engine.dispose()
-
-
-@pytest.fixture(params=SETUPS, ids=["sqlite-fs", "sqlite-redis", "pg-redis"])
-def cluster(
-    request: pytest.FixtureRequest, tmp_path: Path, workers: list[Worker]
-) -> Iterator[Cluster]:
-    db, broker = request.param
-    db_url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
-    if broker == "redis":
-        broker_env = {"CL_BROKER_URL": request.getfixturevalue("redis_url")}
-    else:
-        folder = tmp_path / "broker"
-        (folder / "control").mkdir(parents=True)
-        broker_env = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
-    c = Cluster(str(db_url), broker_env, tmp_path, workers)
-    yield c
-    c.close()
+from tests.cluster import Cluster
+from tests.helpers import REPO, wait_for
 
 
 @pytest.mark.timeout(90)
@@ -140,7 +60,7 @@ def test_paused_worker_completion_refused_after_takeover(cluster: Cluster) -> No
     w1.pause()
     try:
         time.sleep(2.5)  # past the 2 s lease, by the database clock too
-        w2 = cluster.start("w2", **timing)
+        cluster.start("w2", **timing)
         cluster.send("workerapp.sleepy", 4.0, task_id=run_id)
         wait_for(lambda: len(cluster.effects(run_id, "start")) == 2, 30, what="w2 takeover")
     finally:

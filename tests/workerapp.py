@@ -7,6 +7,7 @@ broker queue and lease timings. Each task records what its body did in the
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -34,6 +35,11 @@ if os.environ.get("CL_LOST_POLICY"):
 if os.environ.get("CL_BAD_SETTING"):
     key, _, value = os.environ["CL_BAD_SETTING"].partition("=")
     app.conf[key] = float(value) if value.lstrip("-").replace(".", "").isdigit() else value
+if os.environ.get("CL_RESULT_BACKEND"):
+    app.conf.result_backend = os.environ["CL_RESULT_BACKEND"]
+if os.environ.get("CL_CONF"):
+    # Extra settings as JSON, e.g. {"lease_retry_backoff": 0.2}.
+    app.conf.update(json.loads(os.environ["CL_CONF"]))
 if os.environ.get("CL_FS_DIR"):
     folder = os.environ["CL_FS_DIR"]
     app.conf.broker_transport_options = {
@@ -129,3 +135,41 @@ def watch(self: LeasedTask, seconds: float) -> str:
         record(self.lease.run_id, self.lease.attempt, "saw_cancel")
         raise
     return "watched"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.flaky")
+def flaky(self: LeasedTask, fail_until_attempt: int) -> str:
+    """Raise on attempts up to ``fail_until_attempt``, then commit."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    if self.lease.attempt <= fail_until_attempt:
+        raise ConnectionError(
+            "upstream refused: postgresql://billing:s3cr3t-pw@db.internal:5432/pay "
+            "with Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload.sig"
+        )
+    record(self.lease.run_id, self.lease.attempt, "commit")
+    return "ok"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.spin")
+def spin(self: LeasedTask, seconds: float) -> str:
+    """Busy body that never calls check(): only the interrupt can stop it early."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    record(self.lease.run_id, self.lease.attempt, "body_end")
+    return "spun"
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.limited",
+    lease_concurrency_key=lambda account, seconds: f"account-{account}",
+)
+def limited(self: LeasedTask, account: int, seconds: float) -> str:
+    """Record the body's interval, for the per-key concurrency test."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    time.sleep(seconds)
+    record(self.lease.run_id, self.lease.attempt, "end")
+    return "limited"

@@ -1,0 +1,105 @@
+"""A lease database plus broker queue, and the real workers a test starts on them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import create_engine, select
+
+from celery_lease import LeaseStore
+from tests.helpers import Worker
+from tests.workerapp import effects, effects_metadata
+
+#: (lease database, broker) pairs the worker tests run on.
+SETUPS = [("sqlite", "filesystem"), ("sqlite", "redis"), ("postgresql", "redis")]
+SETUP_IDS = ["sqlite-fs", "sqlite-redis", "pg-redis"]
+
+
+class Cluster:
+    """A lease database, a broker queue, and the workers a test starts on them."""
+
+    def __init__(
+        self, db_url: str, broker_env: dict[str, str], tmp_path: Path, workers: list[Worker]
+    ) -> None:
+        self.db_url = db_url
+        self.tmp_path = tmp_path
+        self.queue = f"q{uuid.uuid4().hex[:8]}"
+        self.env = {**broker_env, "CL_LEASE_DB": db_url, "CL_QUEUE": self.queue}
+        self._workers = workers
+        self.store = LeaseStore.from_url(db_url)
+        self.store.create_schema()
+        self.engine = create_engine(db_url)
+        effects_metadata.create_all(self.engine)
+        self.producer = Celery("producer")
+        self.producer.conf.update(
+            broker_url=broker_env["CL_BROKER_URL"],
+            result_backend=broker_env.get("CL_RESULT_BACKEND"),
+            task_default_queue=self.queue,
+            broker_connection_retry_on_startup=True,
+        )
+        if "CL_FS_DIR" in broker_env:
+            folder = broker_env["CL_FS_DIR"]
+            self.producer.conf.broker_transport_options = {
+                "data_folder_in": folder,
+                "data_folder_out": folder,
+                "control_folder": f"{folder}/control",
+            }
+
+    def start(
+        self,
+        name: str,
+        *,
+        conf: dict[str, Any] | None = None,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        **env: str,
+    ) -> Worker:
+        """Start a worker on this cluster and wait until it is ready."""
+        if conf:
+            env["CL_CONF"] = json.dumps(conf)
+        worker = Worker(
+            {**self.env, **env},
+            self.tmp_path / f"{name}.log",
+            name=name,
+            pool=pool,
+            concurrency=concurrency,
+        )
+        self._workers.append(worker)
+        return worker.wait_ready()
+
+    def start_beat(self, conf: dict[str, Any]) -> Worker:
+        """Start ``celery beat`` (it schedules ``celery_lease.sweep``)."""
+        env = {**self.env, "CL_CONF": json.dumps(conf)}
+        beat = Worker(
+            env,
+            self.tmp_path / "beat.log",
+            name="beat",
+            command=["beat", "-s", str(self.tmp_path / "beat-schedule"), "-l", "INFO"],
+        )
+        self._workers.append(beat)
+        return beat
+
+    def send(self, task: str, *args: Any, task_id: str | None = None) -> str:
+        """Publish ``task`` by name; returns its task id."""
+        task_id = task_id or uuid.uuid4().hex
+        self.producer.send_task(task, args=args, task_id=task_id, queue=self.queue)
+        return task_id
+
+    def effects(self, run_id: str, kind: str | None = None) -> list[Any]:
+        query = select(effects).where(effects.c.run_id == run_id).order_by(effects.c.id)
+        if kind:
+            query = query.where(effects.c.kind == kind)
+        with self.engine.connect() as conn:
+            return list(conn.execute(query).all())
+
+    def status(self, run_id: str) -> str | None:
+        row = self.store.get(run_id)
+        return None if row is None else row.status
+
+    def close(self) -> None:
+        self.store.engine.dispose()
+        self.engine.dispose()

@@ -1,0 +1,171 @@
+"""Failure, recovery and control with real worker processes (issue: recovery)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import wait_for
+
+FAST_RETRY = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
+SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+TWO_SETUPS = pytest.mark.parametrize(
+    "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+
+
+@pytest.mark.timeout(90)
+def test_failures_retry_with_backoff_then_succeed(cluster: Cluster) -> None:
+    """A body failing twice is retried with backoff and succeeds on attempt 3."""
+    cluster.start("w1", conf=FAST_RETRY)
+    run_id = cluster.send("workerapp.flaky", 2)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 40, what="the third attempt")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 3
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2, 3]
+    assert len(cluster.effects(run_id, "commit")) == 1
+
+
+@pytest.mark.timeout(90)
+def test_attempts_exhausted_end_failed_with_sanitized_error(cluster: Cluster) -> None:
+    """After lease_max_attempts failures the run is failed; last_error keeps no secrets."""
+    w1 = cluster.start("w1", conf={**FAST_RETRY, "lease_max_attempts": 3})
+    run_id = cluster.send("workerapp.flaky", 99)
+    wait_for(lambda: cluster.status(run_id) == "failed", 40, what="the run to fail")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 3
+    assert row.failure_code == "exception:ConnectionError"
+    assert row.last_error is not None and row.last_error.startswith("ConnectionError: ")
+    for secret in ("s3cr3t-pw", "eyJhbGciOiJIUzI1NiJ9.payload.sig"):
+        assert secret not in row.last_error
+    assert "db.internal" in row.last_error  # the useful part survives
+    time.sleep(0.5)
+    assert len(cluster.effects(run_id, "start")) == 3
+    lease_lines = [line for line in w1.log().splitlines() if "celery_lease" in line]
+    assert not any("s3cr3t-pw" in line for line in lease_lines)
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
+def test_kill9_worker_run_recovered_by_sweeper(cluster: Cluster) -> None:
+    """kill -9 a worker mid-run: beat's sweeper re-enqueues it after expiry; one commit."""
+    timing = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5", "CL_ACKS_LATE": "1"}
+    if "CL_FS_DIR" not in cluster.env:
+        timing["CL_VISIBILITY_TIMEOUT"] = "4"
+    w1 = cluster.start("w1", **timing)
+    run_id = cluster.send("workerapp.work", 3.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    w1.kill9()
+    killed_at = time.monotonic()
+    cluster.start("w2", **timing)
+    cluster.start_beat({"lease_sweep_interval": 1.0})
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="recovery")
+    recovered_in = time.monotonic() - killed_at
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 2 and row.lease_owner.startswith("w2@")
+    time.sleep(1.0)
+    assert len(cluster.effects(run_id, "commit")) == 1
+    assert recovered_in < 30
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
+def test_sigterm_hands_lease_back_well_before_expiry(cluster: Cluster) -> None:
+    """A warm shutdown hands the lease back: another worker takes over far sooner than
+    lease_seconds, and the stopping worker's body is interrupted."""
+    timing = {"CL_LEASE_SECONDS": "20", "CL_HEARTBEAT": "1"}
+    w1 = cluster.start("w1", **timing)
+    run_id = cluster.send("workerapp.spin", 6.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    cluster.start("w2", **timing)
+    stopped_at = time.time()
+    w1.proc.terminate()  # SIGTERM to the main process only: a warm shutdown
+    takeover = wait_for(
+        lambda: [e for e in cluster.effects(run_id, "start") if e.attempt == 2],
+        20,
+        what="w2 to take the run over",
+    )
+    assert takeover[0].at - stopped_at < 8.0  # versus a 20 s lease
+    w1.proc.wait(30)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="w2 to finish")
+    assert [e.attempt for e in cluster.effects(run_id, "body_end")] == [2]
+
+
+@pytest.mark.timeout(90)
+def test_cancel_running_run(cluster: Cluster) -> None:
+    """cancel() on a running run: the body's check() raises RunCancelled within a
+    heartbeat, the row ends cancelled, and the Celery state is REVOKED."""
+    cluster.start("w1", CL_LEASE_SECONDS="3", CL_HEARTBEAT="0.5")
+    run_id = cluster.send("workerapp.watch", 30.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the run to start")
+    assert cluster.store.cancel(run_id) == "running"
+    wait_for(lambda: cluster.effects(run_id, "saw_cancel"), 10, what="check() to see it")
+    wait_for(lambda: cluster.status(run_id) == "cancelled", 10, what="cancelled status")
+    if cluster.producer.conf.result_backend:
+        result = cluster.producer.AsyncResult(run_id)
+        wait_for(lambda: result.state == "REVOKED", 10, what="REVOKED state")
+
+
+@pytest.mark.timeout(90)
+def test_cancel_retrying_run_drops_later_delivery(cluster: Cluster) -> None:
+    """A retrying run is cancelled at once; its next delivery is dropped unrun."""
+    w1 = cluster.start("w1")
+    run_id = "cancel-me"
+    cluster.store.claim(
+        run_id, "ghost", task_name="workerapp.work", lease_ms=60_000, max_attempts=5
+    )
+    cluster.store.release(run_id, "ghost", 1, available_in=60)
+    assert cluster.store.cancel(run_id) == "cancelled"
+    cluster.send("workerapp.work", 0.0, task_id=run_id)
+    wait_for(lambda: "is already cancelled" in w1.log(), 30, what="the delivery to be dropped")
+    assert cluster.effects(run_id) == []
+
+
+@SQLITE_FS
+@pytest.mark.parametrize("pool", ["prefork", "solo", "threads"])
+@pytest.mark.timeout(90)
+def test_interrupt_stops_a_body_that_never_checks(cluster: Cluster, pool: str) -> None:
+    """With lease_interrupt on, a lost lease interrupts a body that never calls check(),
+    on prefork, solo and threads pools; the worker is then free for other work."""
+    w1 = cluster.start("w1", pool=pool, CL_LEASE_SECONDS="3", CL_HEARTBEAT="0.5")
+    run_id = cluster.send("workerapp.spin", 20.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the run to start")
+    assert cluster.store.expire(run_id)
+    thief = cluster.store.claim(run_id, "thief", task_name="t", lease_ms=60_000, max_attempts=5)
+    assert thief.outcome == "claimed"
+    wait_for(lambda: "automation_run_lease_lost" in w1.log(), 10, what="the interrupt")
+    other = cluster.send("workerapp.work", 0.0)
+    wait_for(lambda: cluster.status(other) == "succeeded", 20, what="the worker to be free")
+    assert cluster.effects(run_id, "body_end") == []
+    cluster.store.complete(run_id, "thief", 2)
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(240)
+def test_per_key_concurrency_limit_holds_across_eight_processes(cluster: Cluster) -> None:
+    """8 worker processes, 40 runs on one key, lease_max_concurrency = 2: bodies never
+    overlap more than 2 deep, and all 40 finish."""
+    conf = {**FAST_RETRY, "lease_max_concurrency": 2, "lease_retry_backoff_max": 0.5}
+    for i in range(4):
+        cluster.start(f"w{i}", conf=conf, concurrency=2)
+    run_ids = [cluster.send("workerapp.limited", 7, 0.2) for _ in range(40)]
+    wait_for(
+        lambda: all(cluster.status(r) == "succeeded" for r in run_ids),
+        180,
+        interval=0.5,
+        what="all 40 runs",
+    )
+    events: list[tuple[float, int]] = []
+    for run_id in run_ids:
+        (start,) = cluster.effects(run_id, "start")
+        (end,) = cluster.effects(run_id, "end")
+        events += [(start.at, 1), (end.at, -1)]
+    depth = peak = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        depth += step
+        peak = max(peak, depth)
+    assert peak <= 2
+    assert peak == 2  # the limit is used, not just respected
