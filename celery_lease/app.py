@@ -82,11 +82,19 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
         for task in list(app.tasks.values()):
             if isinstance(task, LeasedTask):
                 task.lease_config()  # raises ImproperlyConfigured naming the key
-        pool = str(getattr(parent, "pool_cls", "") or "")
-        if config.interrupt and any(name in pool.lower() for name in ("gevent", "eventlet")):
-            logger.warning(
-                "celery-lease: lease_interrupt is not supported on the %s pool (green threads "
-                "share one OS thread); bodies must call self.lease.check()",
+        pool = str(getattr(parent, "pool_cls", "") or "").lower()
+        if "gevent" in pool or "eventlet" in pool:
+            # Green threads share one OS thread: an asynchronous exception
+            # would land in whichever greenlet runs next, not the leased body.
+            if app.conf.get("lease_interrupt") is True:
+                raise ImproperlyConfigured(
+                    "lease_interrupt=True cannot work on the gevent/eventlet pools (green "
+                    "threads share one OS thread); unset it and call self.lease.check()"
+                )
+            app._celery_lease_green_pool = True
+            logger.info(
+                "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
+                "self.lease.check()",
                 pool,
             )
         try:

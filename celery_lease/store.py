@@ -331,7 +331,9 @@ class LeaseStore:
                 )
             ).one()
             if int(live[0]) >= limit:
-                left = max(0, int(live[1] or 0)) / 1000.0
+                left_ms = max(0, int(live[1] or 0))
+                self._record_waiting(conn, values, left_ms)
+                left = left_ms / 1000.0
                 return ClaimResult(
                     "busy",
                     values["id"],
@@ -344,6 +346,42 @@ class LeaseStore:
             if self._upsert:
                 return self._claim_upsert(values, lease_ms, max_attempts, conn)
         return self._claim_locked(values, lease_ms, max_attempts)
+
+    def _record_waiting(self, conn: Connection, values: dict[str, Any], wait_ms: int) -> None:
+        """Record a run waiting for a concurrency slot as ``queued`` (with its arguments).
+
+        If its re-published delivery is lost, the sweeper finds the row stranded
+        after ``available_at`` (the latest a slot must free) and re-enqueues it.
+        """
+        now = db_now_ms()
+        waiting = {
+            **values,
+            "status": QUEUED,
+            "lease_owner": None,
+            "attempt": 0,
+            "available_at": now + wait_ms,
+            "created_at": now,
+            "updated_at": now,
+        }
+        bump = {"available_at": now + wait_ms, "updated_at": now}
+        if self._upsert:
+            dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+            conn.execute(
+                dialect_insert(runs)
+                .values(waiting)
+                .on_conflict_do_update(
+                    index_elements=[runs.c.id], set_=bump, where=runs.c.status == QUEUED
+                )
+            )
+            return
+        from sqlalchemy import insert
+
+        changed = conn.execute(
+            update(runs).where(runs.c.id == values["id"], runs.c.status == QUEUED).values(bump)
+        ).rowcount
+        exists = conn.execute(select(runs.c.id).where(runs.c.id == values["id"])).first()
+        if not changed and exists is None:
+            conn.execute(insert(runs).values(waiting))
 
     def _claim_locked(
         self, values: dict[str, Any], lease_ms: int, max_attempts: int
@@ -536,6 +574,7 @@ class LeaseStore:
             attempt,
             "complete",
             status=SUCCEEDED,
+            lease_expires_at=now,
             finished_at=now,
             updated_at=now,
             last_error=None,
@@ -564,6 +603,7 @@ class LeaseStore:
             "failure_code": failure_code,
             "updated_at": now,
         }
+        values["lease_expires_at"] = now
         if retry_in is None:
             values["finished_at"] = now
         else:
@@ -595,6 +635,7 @@ class LeaseStore:
             "cancel",
             status=CANCELLED,
             failure_code="cancelled",
+            lease_expires_at=now,
             finished_at=now,
             updated_at=now,
         )

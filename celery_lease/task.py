@@ -163,7 +163,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             claim.attempt,
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
-            interrupt=config.interrupt,
+            interrupt=config.interrupt and not self.app.__dict__.get("_celery_lease_green_pool"),
         )
         return self._run_body(config, runtime, lease, args, kwargs)
 
@@ -233,12 +233,15 @@ class LeasedTask(Task):  # type: ignore[misc]
                 delay = min(delay * 2, 1.0)
 
     def _on_lost(self, config: LeaseConfig, lease: Lease, exc: LeaseLost) -> NoReturn:
-        lease.mark_lost(exc.reason)
+        # The heartbeat logs the loss it detects; here only what this call
+        # learned (e.g. the refused completion) and the policy applied.
+        first = lease.mark_lost(exc.reason)
         emit(
-            "lost",
+            "lost" if first else "lost_handled",
             lease.run_id,
-            "%s",
+            "%s (policy %s)",
             exc,
+            config.lost_policy,
             level=logging.WARNING,
             attempt=lease.attempt,
             policy=config.lost_policy,
@@ -255,18 +258,6 @@ class LeasedTask(Task):  # type: ignore[misc]
             "backoff": "waiting for its retry backoff",
         }.get(claim.reason, "held by another worker")
         busy = LeaseBusy(claim.run_id, claim.retry_in, reason)
-        emit(
-            "busy",
-            claim.run_id,
-            "%s",
-            busy,
-            retry_in=claim.retry_in,
-            policy=config.busy_policy,
-        )
-        if config.busy_policy == "fail":
-            raise busy
-        if config.busy_policy == "skip":
-            raise Ignore()
         if claim.reason == "concurrency":
             # A slot frees when any holder finishes, usually well before its
             # lease would expire: poll with jittered backoff, capped by that.
@@ -274,6 +265,22 @@ class LeasedTask(Task):  # type: ignore[misc]
             delay = max(delay, 0.05)
         else:
             delay = busy_delay(config, claim.retry_in, self.request.retries)
+        # A retry that arrived before its backoff ended is this run's own next
+        # attempt, not a duplicate: it always waits, whatever the busy policy.
+        policy = "retry" if claim.reason == "backoff" else config.busy_policy
+        emit(
+            "busy",
+            claim.run_id,
+            "%s: %s",
+            busy,
+            f"retrying in {delay:.2f}s" if policy == "retry" else policy,
+            retry_in=delay,
+            policy=policy,
+        )
+        if policy == "fail":
+            raise busy
+        if policy == "skip":
+            raise Ignore()
         self._reschedule(delay, busy)
 
     def _drop_finished(self, claim: ClaimResult) -> NoReturn:
