@@ -99,6 +99,8 @@ class Heartbeat:
                 lease.renewed(sent_at)
                 if lease.key in result.cancel_requested and lease.mark_cancel_requested():
                     emit("cancel_seen", lease.run_id, "run %s: cancel requested", lease.run_id)
+            elif lease.completed_pending:
+                continue  # completed inside the body's own transaction
             elif lease.mark_lost("heartbeat refused: lease taken over, expired or ended"):
                 emit(
                     "lost",

@@ -78,6 +78,8 @@ class Lease:
         # so the database's expiry is at least this late.
         self._deadline = time.monotonic() + lease_seconds
         self._thread_id: int | None = None
+        #: Set by ``fence(complete=True)``: the run may already be recorded succeeded.
+        self.completed_pending = False
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -113,22 +115,28 @@ class Lease:
             return RunCancelled(self.run_id, self.owner, self.attempt)
         return None
 
-    def fence(self, connection: Connection) -> None:
+    def fence(self, connection: Connection, *, complete: bool = False) -> None:
         """Prove, inside ``connection``'s open transaction, that this lease still holds.
 
         Locks the run row until that transaction ends, so writes made in it
         commit only while this worker owns the run. ``connection`` must be on
-        the lease database.
+        the lease database. With ``complete=True`` the run is also recorded as
+        succeeded in the same transaction, so the writes and the completion
+        commit together or not at all (exactly-once effects on that database).
 
         Raises:
             LeaseLost: the lease is no longer held (the transaction should roll back).
         """
         self.check()
         try:
-            self.store.fence(connection, self.run_id, self.owner, self.attempt)
+            self.store.fence(connection, self.run_id, self.owner, self.attempt, complete=complete)
         except LeaseLost as exc:
             self.mark_lost(exc.reason)
             raise
+        if complete:
+            # Renewals stop matching once that transaction commits; that is
+            # success, not a lost lease.
+            self.completed_pending = True
 
     # -- used by the heartbeat thread ---------------------------------------------
 

@@ -524,24 +524,31 @@ class LeaseStore:
         lost = frozenset(keys) - renewed
         return HeartbeatResult(renewed, lost, cancel)
 
-    def fence(self, connection: Connection, run_id: str, owner: str, attempt: int) -> None:
+    def fence(
+        self,
+        connection: Connection,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        complete: bool = False,
+    ) -> None:
         """Inside the caller's transaction, lock the run row and prove the lease is live.
 
         Raises :class:`LeaseLost` unless this owner and attempt hold an unexpired
         lease. The row stays locked until the caller's transaction ends, so a
-        takeover cannot slip in before the caller's writes commit.
+        takeover cannot slip in before the caller's writes commit. With
+        ``complete=True`` the run is also marked ``succeeded`` in that same
+        transaction: the caller's writes and the completion commit together.
         """
         now = db_now_ms()
+        values: dict[str, Any] = {"heartbeat_at": runs.c.heartbeat_at}
+        if complete:
+            values = self._success_values(now)
         stmt = (
             update(runs)
-            .where(
-                runs.c.id == run_id,
-                runs.c.lease_owner == owner,
-                runs.c.attempt == attempt,
-                runs.c.status == RUNNING,
-                runs.c.lease_expires_at > now,
-            )
-            .values(heartbeat_at=runs.c.heartbeat_at)
+            .where(self._guarded(run_id, owner, attempt), runs.c.lease_expires_at > now)
+            .values(**values)
         )
         if connection.execute(stmt).rowcount != 1:
             raise self._lost(run_id, owner, attempt, "fence refused")
@@ -565,21 +572,36 @@ class LeaseStore:
         if changed != 1:
             raise self._lost(run_id, owner, attempt, f"{action} refused")
 
+    @staticmethod
+    def _success_values(now: Any) -> dict[str, Any]:
+        return {
+            "status": SUCCEEDED,
+            "lease_expires_at": now,
+            "finished_at": now,
+            "updated_at": now,
+            "last_error": None,
+            "failure_code": None,
+        }
+
     def complete(self, run_id: str, owner: str, attempt: int) -> None:
-        """Record success; only the current owner of a running run can. Else :class:`LeaseLost`."""
-        now = db_now_ms()
-        self._guarded_update(
-            run_id,
-            owner,
-            attempt,
-            "complete",
-            status=SUCCEEDED,
-            lease_expires_at=now,
-            finished_at=now,
-            updated_at=now,
-            last_error=None,
-            failure_code=None,
+        """Record success; only the current owner of a running run can. Else :class:`LeaseLost`.
+
+        Idempotent for its owner: if this owner and attempt already completed
+        the run (``fence(complete=True)``, or a retry after a lost reply), it
+        returns quietly.
+        """
+        stmt = (
+            update(runs)
+            .where(self._guarded(run_id, owner, attempt))
+            .values(**self._success_values(db_now_ms()))
         )
+        with self._auto.connect() as conn:
+            if conn.execute(stmt).rowcount == 1:
+                return
+        row = self.get(run_id)
+        if row and row.status == SUCCEEDED and row.lease_owner == owner and row.attempt == attempt:
+            return
+        raise self._lost(run_id, owner, attempt, "complete refused")
 
     def fail(
         self,

@@ -228,3 +228,21 @@ def test_eight_processes_race_one_winner_each_round(pg_url: str) -> None:
     with store.engine.connect() as conn:
         attempts = conn.execute(select(runs.c.attempt)).scalars().all()
     assert sorted(attempts) == [1] * rounds
+
+
+def test_fence_complete_commits_with_the_callers_writes(store: LeaseStore) -> None:
+    """fence(complete=True) marks the run succeeded in the caller's transaction; a
+    rollback undoes it; complete() afterwards is idempotent for the same owner."""
+    claim(store, "r1", "A")
+    with pytest.raises(RuntimeError), store.engine.begin() as conn:
+        store.fence(conn, "r1", "A", 1, complete=True)
+        raise RuntimeError("roll back")
+    row = store.get("r1")
+    assert row is not None and row.status == "running"
+    with store.engine.begin() as conn:
+        store.fence(conn, "r1", "A", 1, complete=True)
+    row = store.get("r1")
+    assert row is not None and row.status == "succeeded"
+    store.complete("r1", "A", 1)  # idempotent for its owner
+    with pytest.raises(LeaseLost):
+        store.complete("r1", "B", 2)
