@@ -17,6 +17,13 @@ from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_e
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
 
+if os.environ.get("CL_CLOCK_SKEW"):
+    # Chaos: this process's wall clock is wrong by CL_CLOCK_SKEW seconds. Leases
+    # must not care: expiry is computed with the database clock only.
+    _real_time = time.time
+    _skew = float(os.environ["CL_CLOCK_SKEW"])
+    time.time = lambda: _real_time() + _skew
+
 app = Celery("workerapp")
 app.conf.update(
     broker_url=os.environ.get("CL_BROKER_URL", "memory://"),
@@ -48,8 +55,12 @@ if os.environ.get("CL_FS_DIR"):
         "control_folder": os.path.join(folder, "control"),
     }
 if os.environ.get("CL_VISIBILITY_TIMEOUT"):
+    # A short visibility timeout makes Redis redeliver unacked (acks_late)
+    # messages quickly, reproducing Celery's duplicate deliveries.
     app.conf.broker_transport_options = {
-        "visibility_timeout": float(os.environ["CL_VISIBILITY_TIMEOUT"])
+        "visibility_timeout": float(os.environ["CL_VISIBILITY_TIMEOUT"]),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
     }
 
 effects_metadata = MetaData()
@@ -173,3 +184,26 @@ def limited(self: LeasedTask, account: int, seconds: float) -> str:
     time.sleep(seconds)
     record(self.lease.run_id, self.lease.attempt, "end")
     return "limited"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.effect")
+def effect(self: LeasedTask, seconds: float) -> str:
+    """The chaos task: work (checking the lease), then commit one effect and the
+    run's success in one transaction through ``fence(complete=True)``."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        self.lease.check()
+        time.sleep(0.02)
+    with effects_engine().begin() as conn:
+        self.lease.fence(conn, complete=True)
+        conn.execute(
+            insert(effects).values(
+                run_id=self.lease.run_id,
+                attempt=self.lease.attempt,
+                kind="commit",
+                pid=os.getpid(),
+                at=time.time(),
+            )
+        )
+    return "committed"

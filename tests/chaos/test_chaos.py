@@ -1,0 +1,204 @@
+"""Chaos scenarios on PostgreSQL + Redis (acks_late, short visibility timeout).
+
+Each scenario prints one summary line and asserts, per run: succeeded, exactly
+one committed effect (written with ``fence(complete=True)``), and an attempt
+consistent with its history. Marked ``chaos``; CI runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.history import History, check
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import Worker, require, wait_for
+
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True),
+]
+
+TIMING = {
+    "CL_LEASE_SECONDS": "2",
+    "CL_HEARTBEAT": "0.5",
+    "CL_ACKS_LATE": "1",
+    "CL_VISIBILITY_TIMEOUT": "5",
+}
+CONF = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 2.0, "lease_max_attempts": 20}
+SWEEP = {"lease_sweep_interval": 1.0, **CONF}
+
+
+def report(capsys: pytest.CaptureFixture[str], name: str, history: History) -> None:
+    """Print the scenario's summary line past pytest's capture, then assert it."""
+    with capsys.disabled():
+        print("\n" + history.line(name))
+    assert history.ok, history.problems[:20]
+
+
+def all_terminal(cluster: Cluster, run_ids: list[str]) -> bool:
+    statuses = [cluster.status(r) for r in run_ids]
+    return all(s in ("succeeded", "failed", "cancelled") for s in statuses)
+
+
+@pytest.fixture
+def pg_control() -> Iterator[tuple[str, str]]:
+    """The data directory and bin directory of the PostgreSQL the tests use."""
+    data = require(os.environ.get("CELERY_LEASE_TEST_PG_DATA"), "CELERY_LEASE_TEST_PG_DATA")
+    bin_dir = os.environ.get("CELERY_LEASE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin")
+    yield str(data), bin_dir
+
+
+@pytest.mark.timeout(400)
+def test_kill9_random_workers_during_300_runs(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """300 runs over 3 workers while a driver kill -9s a random worker every few
+    seconds and restarts it: every run commits exactly once."""
+    rng = random.Random(20261202)
+    workers = [cluster.start(f"w{i}", conf=CONF, **TIMING) for i in range(3)]
+    cluster.start_beat(SWEEP)
+    run_ids = [cluster.send("workerapp.effect", rng.uniform(0.2, 0.5)) for _ in range(300)]
+    kills = 0
+    stop_killing = time.monotonic() + 20
+    while time.monotonic() < stop_killing:
+        time.sleep(rng.uniform(2.0, 4.0))
+        victim = rng.randrange(len(workers))
+        workers[victim].kill9()
+        kills += 1
+        workers[victim] = cluster.start(f"w{victim}-r{kills}", conf=CONF, **TIMING)
+    wait_for(lambda: all_terminal(cluster, run_ids), 240, interval=1.0, what="all 300 runs")
+    history = check(cluster, run_ids)
+    assert kills >= 5
+    report(capsys, f"kill9 x{kills}", history)
+
+
+@pytest.mark.timeout(150)
+def test_sigstop_stale_worker_commits_nothing(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGSTOP a worker past its lease, let another take over, SIGCONT: the stale
+    worker commits nothing."""
+    w1 = cluster.start("w1", conf=CONF, **TIMING)
+    run_ids = [cluster.send("workerapp.effect", 3.0) for _ in range(2)]
+    wait_for(lambda: all(cluster.effects(r, "start") for r in run_ids), 30, what="w1 to start both")
+    w1.pause()
+    try:
+        time.sleep(3.0)  # well past the 2 s lease
+        cluster.start("w2", conf=CONF, **TIMING)
+        cluster.start_beat(SWEEP)
+        wait_for(
+            lambda: all(len(cluster.effects(r, "start")) >= 2 for r in run_ids),
+            40,
+            what="w2 to take both runs over",
+        )
+    finally:
+        w1.resume()
+    wait_for(lambda: all_terminal(cluster, run_ids), 60, what="both runs")
+    time.sleep(3.0)  # give the resumed worker time to try (and fail) to commit
+    history = check(cluster, run_ids)
+    stale = [e for r in run_ids for e in cluster.effects(r, "commit") if e.attempt == 1]
+    assert stale == []
+    assert "automation_run_lease_lost" in w1.log()
+    report(capsys, "sigstop", history)
+
+
+@pytest.mark.timeout(300)
+def test_postgres_restart_mid_batch(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str], pg_control: tuple[str, str]
+) -> None:
+    """pg_ctl restart -m fast in the middle of a batch: no lost runs, no double
+    commits, and the same workers recover without restarts."""
+    data, bin_dir = pg_control
+    workers = [cluster.start(f"w{i}", conf=CONF, **TIMING) for i in range(2)]
+    cluster.start_beat(SWEEP)
+    run_ids = [cluster.send("workerapp.effect", 0.3) for _ in range(80)]
+    wait_for(
+        lambda: sum(1 for r in run_ids if cluster.status(r) == "succeeded") >= 10,
+        60,
+        what="the batch to get going",
+    )
+    subprocess.run(
+        [
+            "su",
+            "postgres",
+            "-s",
+            "/bin/sh",
+            "-c",
+            f"'{bin_dir}/pg_ctl' -D '{data}' -w -m fast restart",
+        ],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
+    cluster.store.engine.dispose()
+    cluster.engine.dispose()
+    wait_for(lambda: all_terminal(cluster, run_ids), 180, interval=1.0, what="the batch")
+    assert all(w.proc.poll() is None for w in workers), "a worker died"
+    history = check(cluster, run_ids)
+    report(capsys, "pg-restart", history)
+
+
+@pytest.mark.timeout(150)
+def test_duplicate_storm(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same task id published 50 times while it runs: one effect."""
+    cluster.start("w1", conf=CONF, **TIMING)
+    cluster.start("w2", conf=CONF, **TIMING)
+    run_id = cluster.send("workerapp.effect", 4.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the run to start")
+    for _ in range(50):
+        cluster.send("workerapp.effect", 4.0, task_id=run_id)
+    wait_for(lambda: all_terminal(cluster, [run_id]), 60, what="the run")
+    time.sleep(5.0)  # let the duplicates drain against the finished run
+    history = check(cluster, [run_id])
+    assert len(cluster.effects(run_id, "start")) == 1
+    report(capsys, "duplicate-storm x50", history)
+
+
+@pytest.mark.timeout(200)
+def test_worker_clock_skew(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers whose time.time() is off by +-5 minutes hold and lose leases correctly:
+    only the database clock counts."""
+    fast = cluster.start("fast", conf=CONF, CL_CLOCK_SKEW="300", **TIMING)
+    cluster.start("slow", conf=CONF, CL_CLOCK_SKEW="-300", **TIMING)
+    cluster.start_beat(SWEEP)
+    run_ids = [cluster.send("workerapp.effect", 0.3) for _ in range(40)]
+    wait_for(lambda: all_terminal(cluster, run_ids), 90, what="the skewed batch")
+    # A run held across several lease lengths survives on renewals alone ...
+    long_run = cluster.send("workerapp.effect", 5.0)
+    wait_for(lambda: all_terminal(cluster, [long_run]), 40, what="the long run")
+    long_row = cluster.store.get(long_run)
+    assert long_row is not None and long_row.attempt == 1
+    # ... and a stalled skewed worker still loses its lease on time.
+    stall = cluster.send("workerapp.effect", 3.0)
+    holder = wait_for(lambda: cluster.effects(stall, "start"), 30, what="the stall run")
+    victim: Worker = fast if holder[0].pid in _pids(fast) else _other(cluster, fast)
+    victim.pause()
+    try:
+        wait_for(
+            lambda: len(cluster.effects(stall, "start")) >= 2, 40, what="a takeover of the stall"
+        )
+    finally:
+        victim.resume()
+    wait_for(lambda: all_terminal(cluster, [stall]), 40, what="the stall run")
+    history = check(cluster, [*run_ids, long_run, stall])
+    report(capsys, "clock-skew +-300s", history)
+
+
+def _pids(worker: Worker) -> set[int]:
+    """The worker's main PID and its pool children."""
+    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children")
+    found = {worker.pid}
+    if children.exists():
+        found |= {int(p) for p in children.read_text().split()}
+    return found
+
+
+def _other(cluster: Cluster, not_this: Worker) -> Worker:
+    return next(w for w in cluster._workers if w is not not_this and w.name != "beat")
