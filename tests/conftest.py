@@ -34,7 +34,7 @@ def pg_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for this test, dropped afterwards."""
     admin = require(_pg_admin_url(), f"PostgreSQL ({PG_ENV})")
     name = f"cl_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(admin, isolation_level="AUTOCOMMIT")
+    engine = create_engine(admin, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     with engine.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = make_url(admin).set(database=name).render_as_string(hide_password=False)

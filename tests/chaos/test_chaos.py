@@ -124,18 +124,15 @@ def test_postgres_restart_mid_batch(
         60,
         what="the batch to get going",
     )
+    # The restarted postmaster must not inherit our pipes: log to a file instead.
+    restart = f"'{bin_dir}/pg_ctl' -D '{data}' -l '{data}/restart.log' -w -m fast restart"
     subprocess.run(
-        [
-            "su",
-            "postgres",
-            "-s",
-            "/bin/sh",
-            "-c",
-            f"'{bin_dir}/pg_ctl' -D '{data}' -w -m fast restart",
-        ],
+        ["su", "postgres", "-s", "/bin/sh", "-c", restart],
         check=True,
         timeout=60,
-        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     cluster.store.engine.dispose()
     cluster.engine.dispose()
