@@ -117,7 +117,7 @@ class Worker:
         self.signal_group(signal.SIGKILL)
         self.proc.wait(10)
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers."""
         if self.proc.poll() is None:
             self.signal_group(signal.SIGCONT)
