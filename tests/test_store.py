@@ -246,3 +246,52 @@ def test_fence_complete_commits_with_the_callers_writes(store: LeaseStore) -> No
     store.complete("r1", "A", 1)  # idempotent for its owner
     with pytest.raises(LeaseLost):
         store.complete("r1", "B", 2)
+
+
+def _sweeper(url: str, barrier: Any, results: Any) -> None:
+    store = LeaseStore.from_url(url, pool_size=1)
+    barrier.wait(30)
+    results.put([record.id for record, _status in store.sweep_expired(limit=1000)])
+    store.engine.dispose()
+
+
+def test_sweep_leaves_renewed_and_taken_over_runs_alone(store: LeaseStore) -> None:
+    """sweep_expired moves only expired leases, and its guarded write refuses a run
+    that was taken over after the sweeper read it."""
+    claim(store, "live", "A", lease_ms=60_000)
+    claim(store, "dead", "A", lease_ms=100)
+    claim(store, "raced", "A", lease_ms=100)
+    time.sleep(0.2)
+    record = store.get("raced")
+    assert record is not None
+    claim(store, "raced", "B", lease_ms=60_000)  # a takeover between read and write
+    assert store._sweep_one(record) is None
+    moved = {r.id: status for r, status in store.sweep_expired()}
+    assert moved == {"dead": "retrying"}
+    row = store.get("dead")
+    assert row is not None and row.failure_code == "lease_expired"
+    assert store.get("live").status == "running"  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(120)
+def test_two_concurrent_sweepers_never_take_the_same_run(pg_url: str) -> None:
+    """Two sweepers racing over 200 expired runs on PostgreSQL split them disjointly."""
+    store = LeaseStore.from_url(pg_url)
+    store.create_schema()
+    for i in range(200):
+        claim(store, f"x{i}", "A", lease_ms=50)
+    time.sleep(0.2)
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_sweeper, args=(pg_url, barrier, results)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        first, second = results.get(timeout=60), results.get(timeout=60)
+    finally:
+        for proc in procs:
+            proc.join(30)
+    assert not set(first) & set(second)
+    assert set(first) | set(second) == {f"x{i}" for i in range(200)}
+    store.engine.dispose()
