@@ -37,13 +37,17 @@ class Heartbeat:
         self._failing = False
         self.last_tick_seconds: float | None = None
 
-    def register(self, lease: Lease) -> None:
-        """Start renewing ``lease`` (and start the thread if needed)."""
+    def register(self, lease: Lease, *, start: bool = True) -> None:
+        """Start renewing ``lease`` (and start the thread if needed).
+
+        With ``start=False`` no thread is started: ticks happen only through
+        :meth:`beat_once` (for tests and tools).
+        """
         with self._lock:
             self._leases[lease.key] = lease
             if lease.heartbeat_interval < self._wait_locked(exclude=lease):
                 self._wake.set()  # the current wait is too long for this lease
-            if self._thread is None or not self._thread.is_alive():
+            if start and (self._thread is None or not self._thread.is_alive()):
                 self._start_locked()
 
     def unregister(self, lease: Lease) -> None:

@@ -172,3 +172,19 @@ def test_per_key_concurrency_limit_holds_across_eight_processes(cluster: Cluster
         peak = max(peak, depth)
     assert peak <= 2
     assert peak == 2  # the limit is used, not just respected
+
+
+@SQLITE_FS
+@pytest.mark.timeout(60)
+def test_unreachable_lease_database_fails_closed(cluster: Cluster) -> None:
+    """With the lease database down, the body never runs; the delivery is retried."""
+    dead = "postgresql+psycopg://nobody@127.0.0.1:9/none?connect_timeout=1"
+    w1 = cluster.start("w1", CL_LEASE_DB=dead, conf=FAST_RETRY)
+    run_id = cluster.send("workerapp.work", 0.0)
+    wait_for(
+        lambda: w1.log().count(f"run {run_id}: lease database unreachable") >= 2,
+        30,
+        what="the delivery to be retried",
+    )
+    assert "claimed attempt" not in w1.log()
+    assert cluster.effects(run_id) == []
