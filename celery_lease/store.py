@@ -449,7 +449,8 @@ class LeaseStore:
                     return ClaimResult("finished", run_id, owner, attempt, FAILED)
                 continue
             if claimable:
-                continue  # it became claimable between our two statements
+                # It became claimable between our two statements: try again soon.
+                return ClaimResult("busy", run_id, owner, attempt, status, 0.0, reason="race")
             return ClaimResult(
                 "busy",
                 run_id,

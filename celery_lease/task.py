@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import random
 import socket
 import time
@@ -31,8 +32,6 @@ COMPLETE_RETRY_SECONDS = 5.0
 
 def new_owner(hostname: str | None = None) -> str:
     """A fresh, unguessable owner string: ``host:pid:uuid4``."""
-    import os
-
     host = hostname or socket.gethostname()
     return f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
 
