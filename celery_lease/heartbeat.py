@@ -105,32 +105,14 @@ class Heartbeat:
                     emit("cancel_seen", lease.run_id, "run %s: cancel requested", lease.run_id)
             elif lease.completed_pending:
                 continue  # completed inside the body's own transaction
-            elif lease.mark_lost("heartbeat refused: lease taken over, expired or ended"):
-                emit(
-                    "lost",
-                    lease.run_id,
-                    "run %s attempt %d: lease lost (heartbeat refused)",
-                    lease.run_id,
-                    lease.attempt,
-                    level=logging.WARNING,
-                    attempt=lease.attempt,
-                )
+            else:
+                _lose(lease, "heartbeat refused: lease taken over, expired or ended")
         return result
 
     def _expire_unconfirmed(self, leases: list[Lease], now: float) -> None:
         for lease in leases:
-            if lease.expired_locally(now) and lease.mark_lost(
-                "last confirmed expiry passed without renewal (database unreachable)"
-            ):
-                emit(
-                    "lost",
-                    lease.run_id,
-                    "run %s attempt %d: lease lost (no renewal before expiry)",
-                    lease.run_id,
-                    lease.attempt,
-                    level=logging.WARNING,
-                    attempt=lease.attempt,
-                )
+            if lease.expired_locally(now):
+                _lose(lease, "last confirmed expiry passed without renewal (database unreachable)")
 
     def _wait_locked(self, exclude: Lease | None = None) -> float:
         intervals = [
@@ -163,3 +145,18 @@ class Heartbeat:
                     "celery-lease heartbeat tick crashed",
                     extra={"lease_event": "heartbeat_error", "run_id": None},
                 )
+
+
+def _lose(lease: Lease, reason: str) -> None:
+    """Mark ``lease`` lost and log it, the first time only."""
+    if lease.mark_lost(reason):
+        emit(
+            "lost",
+            lease.run_id,
+            "run %s attempt %d: lease lost (%s)",
+            lease.run_id,
+            lease.attempt,
+            reason,
+            level=logging.WARNING,
+            attempt=lease.attempt,
+        )
