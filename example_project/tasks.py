@@ -1,0 +1,153 @@
+"""The shop's tasks and the functions that place orders and submit their captures.
+
+``capture_payment`` is a ``LeasedTask``: its run id is the order (an
+idempotency key, so submitting an order twice is one run), at most two
+captures per merchant run at a time (a concurrency key), and its writes commit
+only while the worker still holds the lease (``self.lease.fence``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy import Engine, insert, select, update
+
+from celery_lease import LeasedTask
+from celery_lease.app import store_for
+
+from . import gateway
+from .app import app, settings
+from .tables import orders, payments
+
+logger = logging.getLogger(__name__)
+
+#: At most this many captures per merchant at once (the gateway's rate limit).
+MAX_CAPTURES_PER_MERCHANT = 2
+
+
+def capture_run_id(order_id: str, merchant_id: str) -> str:
+    """The idempotency key: one capture run per order, however often it is submitted."""
+    return f"capture-{order_id}"
+
+
+def merchant_key(order_id: str, merchant_id: str) -> str:
+    """The concurrency key: captures of one merchant share its slots."""
+    return f"merchant-{merchant_id}"
+
+
+def shop_engine() -> Engine:
+    """An engine on the lease database, which also holds the shop's tables.
+
+    ``store_for(app).engine`` is the lease store's own engine (on SQLite it is
+    set up for many writer processes), and ``fence()`` needs a connection to
+    exactly that database.
+    """
+    return store_for(app).engine
+
+
+def read_engine() -> Engine:
+    """The same database for reads that need no transaction.
+
+    On SQLite the lease engine opens every transaction with ``BEGIN IMMEDIATE``
+    (the write lock), so plain reads run in autocommit instead.
+    """
+    return shop_engine().execution_options(isolation_level="AUTOCOMMIT")
+
+
+class UnknownOrder(Exception):
+    """The order to capture does not exist."""
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    base=LeasedTask,
+    bind=True,
+    name="example_project.capture_payment",
+    lease_key=capture_run_id,
+    lease_concurrency_key=merchant_key,
+    lease_max_concurrency=MAX_CAPTURES_PER_MERCHANT,
+)
+def capture_payment(self: LeasedTask, order_id: str, merchant_id: str) -> str:
+    """Capture an order's payment at the gateway and record it, exactly once."""
+    lease = self.lease
+    body_started_at = time.time()
+    with read_engine().connect() as conn:
+        order = conn.execute(select(orders).where(orders.c.id == order_id)).one_or_none()
+    if order is None:
+        raise UnknownOrder(order_id)
+    gateway_ref = gateway.capture(
+        order_id,
+        order.amount_cents,
+        idempotency_key=lease.run_id,
+        attempt=lease.attempt,
+        checkpoint=lease.check,  # LeaseLost / RunCancelled as soon as the heartbeat knows
+    )
+    with shop_engine().begin() as conn:
+        # Lock the run row, prove we still own it and mark it succeeded, all in
+        # this transaction: the payment and the completion commit together, or
+        # (lease lost) neither does.
+        lease.fence(conn, complete=True)
+        conn.execute(
+            insert(payments).values(
+                order_id=order_id,
+                merchant_id=merchant_id,
+                amount_cents=order.amount_cents,
+                gateway_ref=gateway_ref,
+                fencing_token=lease.attempt,
+                captured_by=lease.owner,
+                body_started_at=body_started_at,
+                committed_at=time.time(),
+            )
+        )
+        conn.execute(update(orders).where(orders.c.id == order_id).values(status="captured"))
+    return gateway_ref
+
+
+@app.task(name="example_project.resubmit_stalled_captures")  # type: ignore[untyped-decorator]
+def resubmit_stalled_captures() -> int:
+    """Submit again every pending order whose capture never started.
+
+    A publish can be lost (a broker outage, or kombu's filesystem transport
+    racing a consumer) before any worker saw it; then no lease row exists and
+    celery-lease's sweeper cannot know about the order. Runs that did start are
+    the sweeper's job. Submitting again is safe: the run id is the order.
+    """
+    store = store_for(app)
+    cutoff = store.now_ms() - round(settings.timings.resubmit_after * 1000)
+    with read_engine().connect() as conn:
+        stalled = conn.execute(
+            select(orders.c.id, orders.c.merchant_id).where(
+                orders.c.status == "pending", orders.c.submitted_at_ms < cutoff
+            )
+        ).all()
+    resubmitted = 0
+    for order_id, merchant_id in stalled:
+        if store.get(capture_run_id(order_id, merchant_id)) is None:
+            logger.warning("order %s: capture never started; submitting it again", order_id)
+            submit_capture(order_id, merchant_id)
+            resubmitted += 1
+    return resubmitted
+
+
+def place_order(order_id: str, merchant_id: str, amount_cents: int, currency: str = "EUR") -> None:
+    """Record a new pending order."""
+    store = store_for(app)
+    with shop_engine().begin() as conn:
+        conn.execute(
+            insert(orders).values(
+                id=order_id,
+                merchant_id=merchant_id,
+                amount_cents=amount_cents,
+                currency=currency,
+                status="pending",
+                submitted_at_ms=store.now_ms(),
+            )
+        )
+
+
+def submit_capture(order_id: str, merchant_id: str) -> None:
+    """Enqueue the capture of an order (any number of times: it runs once)."""
+    now = store_for(app).now_ms()
+    with shop_engine().begin() as conn:
+        conn.execute(update(orders).where(orders.c.id == order_id).values(submitted_at_ms=now))
+    capture_payment.apply_async(args=(order_id, merchant_id))
