@@ -2,7 +2,8 @@
 
 PostgreSQL and Redis come from ``CELERY_LEASE_TEST_PG_URL`` (an admin URL such as
 ``postgresql+psycopg://postgres@127.0.0.1:5433/postgres``) and
-``CELERY_LEASE_TEST_REDIS_URL``. Without them those tests skip, except under
+``CELERY_LEASE_TEST_REDIS_URL``; MySQL/MariaDB from ``CELERY_LEASE_TEST_MYSQL_URL``
+(e.g. ``mysql+pymysql://root@127.0.0.1:3306/mysql``). Without them those tests skip, except under
 ``CI=true``, where they fail.
 """
 
@@ -23,6 +24,7 @@ from tests.helpers import Worker, require
 
 PG_ENV = "CELERY_LEASE_TEST_PG_URL"
 REDIS_ENV = "CELERY_LEASE_TEST_REDIS_URL"
+MYSQL_ENV = "CELERY_LEASE_TEST_MYSQL_URL"
 
 
 def _pg_admin_url() -> str | None:
@@ -47,16 +49,32 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def mysql_url() -> Iterator[str]:
+    """A fresh MySQL/MariaDB database for this test, dropped afterwards."""
+    admin = require(os.environ.get(MYSQL_ENV), f"MySQL ({MYSQL_ENV})")
+    name = f"cl_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(admin, pool_pre_ping=True)
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}`"))
+    url = make_url(admin).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+        engine.dispose()
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file in the test's temp dir."""
     return f"sqlite:///{tmp_path / 'leases.sqlite3'}"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql", "mysql"])
 def db_url(request: pytest.FixtureRequest) -> str:
     """The lease database URL, once per backend."""
-    name = "sqlite_url" if request.param == "sqlite" else "pg_url"
-    return str(request.getfixturevalue(name))
+    return str(request.getfixturevalue(f"{request.param.replace('postgresql', 'pg')}_url"))
 
 
 @pytest.fixture

@@ -130,7 +130,9 @@ def test_heartbeat_renews_many_in_one_statement(store: LeaseStore) -> None:
         event.remove(store.engine, "before_cursor_execute", count)
     assert beat.renewed == set(keys)
     assert beat.lost == {("nope", "X", 1)}
-    assert len(statements) == 1
+    # MySQL has no UPDATE .. RETURNING: the renewed rows are read back in the
+    # same transaction, one more statement regardless of the lease count.
+    assert len(statements) == (2 if store.dialect == "mysql" else 1)
 
 
 def test_fail_retrying_then_claimable_after_backoff(store: LeaseStore) -> None:
