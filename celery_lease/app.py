@@ -116,9 +116,12 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
 
 
 def _on_worker_process_init(**kwargs: Any) -> None:
-    for app_runtimes in _all_runtimes():
-        for runtime in list(app_runtimes.values()):
-            runtime.store.dispose_after_fork()
+    """A new pool child: drop the parent's connections and heartbeat right away."""
+    for app in list(_installed_apps):
+        try:
+            runtime_for(app, LeaseConfig.from_app(app))
+        except Exception as exc:  # a hook never takes the worker down
+            logger.warning("celery-lease: process init failed: %s", describe_exception(exc))
 
 
 def _on_worker_shutting_down(sender: Any = None, **kwargs: Any) -> None:
