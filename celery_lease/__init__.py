@@ -4,7 +4,7 @@ Every run of a ``LeasedTask`` is owned by one worker at a time, renewed by a
 heartbeat thread, and recorded with a statement guarded by owner and attempt.
 """
 
-from .app import install
+from .app import install, store_for
 from .config import LeaseConfig
 from .errors import LeaseBusy, LeaseError, LeaseLost, RunCancelled
 from .lease import Lease, current_lease
@@ -22,5 +22,6 @@ __all__ = [
     "RunCancelled",
     "current_lease",
     "install",
+    "store_for",
 ]
 __version__ = "0.1.0"

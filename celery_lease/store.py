@@ -317,7 +317,21 @@ class LeaseStore:
         now = db_now_ms()
         with self.engine.begin() as conn:
             if self.dialect == "postgresql":
-                conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(key, 0))))
+                # try-lock: a holder frozen inside this short transaction must not
+                # stall every other claim on the key; they report busy instead.
+                locked = conn.execute(
+                    select(func.pg_try_advisory_xact_lock(func.hashtextextended(key, 0)))
+                ).scalar()
+                if not locked:
+                    return ClaimResult(
+                        "busy",
+                        values["id"],
+                        values["lease_owner"],
+                        0,
+                        RUNNING,
+                        0.5,
+                        reason="concurrency",
+                    )
             elif self.dialect != "sqlite":
                 conn.execute(
                     select(runs.c.id).where(runs.c.concurrency_key == key).with_for_update()
@@ -672,29 +686,29 @@ class LeaseStore:
         expiry, to ``retrying`` (available now), or ``failed`` with
         ``lease_expired`` when attempts are spent, or ``cancelled`` when a cancel
         was requested. Only rows this call moved are returned, so two sweepers
-        never both act on the same expired lease.
+        never both act on the same expired lease. On PostgreSQL and MySQL the
+        rows are read ``FOR UPDATE SKIP LOCKED``: a row locked by a stalled
+        transaction is skipped this time, never waited for.
         """
         now = db_now_ms()
-        with self._auto.connect() as conn:
-            rows = (
-                conn.execute(
-                    select(runs)
-                    .where(runs.c.status == RUNNING, runs.c.lease_expires_at <= now)
-                    .order_by(runs.c.lease_expires_at)
-                    .limit(limit)
-                )
-                .mappings()
-                .all()
-            )
+        query = (
+            select(runs)
+            .where(runs.c.status == RUNNING, runs.c.lease_expires_at <= now)
+            .order_by(runs.c.lease_expires_at)
+            .limit(limit)
+        )
+        if self.dialect != "sqlite":
+            query = query.with_for_update(skip_locked=True)
         moved: list[tuple[RunRecord, str]] = []
-        for row in rows:
-            record = RunRecord(**dict(row))
-            status = self._sweep_one(record)
-            if status is not None:
-                moved.append((record, status))
+        with self.engine.begin() as conn:
+            for row in conn.execute(query).mappings().all():
+                record = RunRecord(**dict(row))
+                status = self._sweep_one(record, conn)
+                if status is not None:
+                    moved.append((record, status))
         return moved
 
-    def _sweep_one(self, record: RunRecord) -> str | None:
+    def _sweep_one(self, record: RunRecord, conn: Connection | None = None) -> str | None:
         """The guarded transition of one expired lease; None if it changed meanwhile."""
         now = db_now_ms()
         values: dict[str, Any] = {"updated_at": now, "lease_expires_at": now}
@@ -727,8 +741,10 @@ class LeaseStore:
             )
             .values(status=status, **values)
         )
-        with self._auto.connect() as conn:
+        if conn is not None:
             return status if conn.execute(stmt).rowcount == 1 else None
+        with self._auto.connect() as auto:
+            return status if auto.execute(stmt).rowcount == 1 else None
 
     def reclaim_stale(self, older_than: float, limit: int = 500) -> list[RunRecord]:
         """Queued/retrying runs available for ``older_than`` s yet never claimed.

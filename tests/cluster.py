@@ -43,6 +43,7 @@ class Cluster:
         )
         if "CL_FS_DIR" in broker_env:
             folder = broker_env["CL_FS_DIR"]
+            self.producer.conf.broker_transport = "celery_lease.fs_transport:Transport"
             self.producer.conf.broker_transport_options = {
                 "data_folder_in": folder,
                 "data_folder_out": folder,

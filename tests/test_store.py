@@ -297,3 +297,23 @@ def test_two_concurrent_sweepers_never_take_the_same_run(pg_url: str) -> None:
     assert not set(first) & set(second)
     assert set(first) | set(second) == {f"x{i}" for i in range(200)}
     store.engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_sweep_skips_a_row_locked_by_a_stalled_transaction(store: LeaseStore) -> None:
+    """A stalled transaction holding an expired run's row lock does not stall the
+    sweeper: that row is skipped this time, the others are swept (PostgreSQL, MySQL)."""
+    if store.dialect == "sqlite":
+        pytest.skip("SQLite has one writer at a time: there are no row locks to skip")
+    claim(store, "stuck", "A", lease_ms=100)
+    claim(store, "free", "A", lease_ms=100)
+    time.sleep(0.2)
+    with store.engine.connect() as stalled:
+        stalled.begin()
+        stalled.execute(select(runs.c.id).where(runs.c.id == "stuck").with_for_update())
+        started = time.monotonic()
+        moved = {r.id for r, _ in store.sweep_expired()}
+        assert time.monotonic() - started < 5
+        stalled.rollback()
+    assert moved == {"free"}
+    assert {r.id for r, _ in store.sweep_expired()} == {"stuck"}

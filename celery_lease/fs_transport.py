@@ -5,8 +5,9 @@ consumer polling at that moment can take the still-empty file: the message is
 lost and the consumer raises ``JSONDecodeError``, which stops the worker. Here
 the message is written under a name no consumer matches and renamed into place
 (``rename`` is atomic within one folder), so a consumer sees whole files only.
-Selected with ``broker_transport`` (see settings.py); the URL stays
-``filesystem://``.
+Select it with ``app.conf.broker_transport =
+"celery_lease.fs_transport:Transport"`` (the URL stays ``filesystem://``); the
+example project and the test suite do. It changes nothing but the publish.
 """
 
 from __future__ import annotations
