@@ -1,0 +1,1 @@
+"""Benchmarks for celery-lease: plain scripts, run with ``python -m benchmarks.run_all``."""

@@ -1,0 +1,249 @@
+"""Run every benchmark in one go, print the tables and write ``docs/benchmarks.md``.
+
+Usage: ``python -m benchmarks.run_all [--quick] [--rounds N] [--tasks N] [--no-write]``.
+PostgreSQL and Redis come from ``CELERY_LEASE_BENCH_PG_URL`` (an admin URL: a
+throwaway database is created and dropped) and ``CELERY_LEASE_BENCH_REDIS_URL``
+(falling back to the test suite's ``CELERY_LEASE_TEST_*`` variables); without
+them the sections that need them are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import celery
+import sqlalchemy
+from sqlalchemy import create_engine, text
+
+from . import contention, sql, takeover, throughput
+from .common import REPO, check_loopback, pg_admin_url, pg_database, redis_url
+
+DOC = REPO / "docs" / "benchmarks.md"
+
+
+def _pg_version(url: str) -> str:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        version = str(conn.execute(text("SHOW server_version")).scalar())
+    engine.dispose()
+    return version.split()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small N, one round, one trial")
+    parser.add_argument("--rounds", type=int, help="throughput rounds (default 3, quick 1)")
+    parser.add_argument("--tasks", type=int, help="tasks per throughput run (default 2000)")
+    parser.add_argument("--trials", type=int, help="takeover trials (default 3, quick 1)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 3)
+    tasks = args.tasks or (300 if args.quick else 2000)
+    trials = args.trials or (1 if args.quick else 3)
+    command = " ".join(["python -m benchmarks.run_all", *(argv or sys.argv[1:])])
+
+    admin, redis = pg_admin_url(), redis_url()
+    for url in (admin, redis):
+        if url:
+            check_loopback(url)
+    work = Path(tempfile.mkdtemp(prefix="celery-lease-bench-"))
+    sections: dict[str, str] = {}
+    began = time.monotonic()
+    try:
+        with pg_database(admin) if admin else contextlib.nullcontext() as pg_url:
+            print(f"throughput: {tasks} tasks x {rounds} round(s)", flush=True)
+            sections["throughput"], _ = throughput.run(tasks, rounds, work, redis, pg_url)
+            print(sections["throughput"], flush=True)
+            print("SQL per task and per heartbeat tick", flush=True)
+            sections["sql_task"], sections["sql_tick"], _ = sql.run(pg_url, args.quick, work)
+            print(sections["sql_task"] + "\n\n" + sections["sql_tick"], flush=True)
+            print(f"takeover: {trials} trial(s)", flush=True)
+            sections["takeover"], _ = takeover.run(trials, work)
+            print(sections["takeover"], flush=True)
+            if pg_url:
+                print("claim contention on PostgreSQL", flush=True)
+                sections["contention"], _ = contention.run(pg_url, args.quick)
+                print(sections["contention"], flush=True)
+            versions = {
+                "python": platform.python_version(),
+                "celery": celery.__version__,
+                "sqlalchemy": sqlalchemy.__version__,
+                "postgresql": _pg_version(pg_url) if pg_url else "not used",
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    minutes = (time.monotonic() - began) / 60
+    if not args.no_write:
+        DOC.write_text(render(command, sections, versions, tasks, rounds, trials, minutes))
+        print(f"wrote {DOC.relative_to(REPO)}")
+    return 0
+
+
+def render(
+    command: str,
+    sections: dict[str, str],
+    versions: dict[str, str],
+    tasks: int,
+    rounds: int,
+    trials: int,
+    minutes: float,
+) -> str:
+    """The page: how it was made, the tables, and what limits the figures."""
+    today = datetime.date.today().isoformat()
+    env = ", ".join(f"{k} {v}" for k, v in versions.items())
+    parts: list[Any] = [
+        "# Benchmarks",
+        "",
+        "Every figure on this page comes from one run of the scripts in `benchmarks/` "
+        "(see `benchmarks/README.md`), on one shared 2-core machine, with PostgreSQL and "
+        "Redis on loopback:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Run on {today}, {os.cpu_count()} CPUs, {env}; the whole run took "
+        f"{minutes:.0f} minutes. Other developers were running test suites on the same "
+        "machine at the time, so single figures are noisy: throughput is the median of "
+        "interleaved rounds, latencies are medians, and ratios are the median of "
+        "per-round ratios. Compare rows within one table, not with another machine.",
+        "",
+        "## Throughput of a trivial task",
+        "",
+        f"{tasks} messages of a task that returns at once are enqueued first; then one "
+        "`celery worker -P prefork -c 2` (ignore results, default prefetch, early ack, "
+        "log level WARNING) is started and timed from the first task's start "
+        "(`task_prerun` in any pool process) to the last `task_postrun`, which comes "
+        "after the lease's guarded completion and after celery-once's unlock. Worker "
+        "start-up is excluded. The six set-ups run in a shuffled order in each of "
+        f"{rounds} round(s). *Enqueue msgs/s* is the producer's publishing rate: "
+        "celery-once takes its Redis lock there, at enqueue, so most of its cost is "
+        "outside the timed window.",
+        "",
+        sections.get("throughput", "(not run)"),
+        "",
+        "## SQL per task and per heartbeat tick",
+        "",
+        "Counted with SQLAlchemy's `before_cursor_execute` on the lease engine. Per task: "
+        "a `LeasedTask` run in-process through Celery's tracer (`Task.apply`), after a "
+        "warm-up; *added ms* is its time minus a plain task's. *Pool checkouts* count "
+        "connection checkouts, each of which costs one more `SELECT 1` round trip because "
+        "the lease engine has `pool_pre_ping` on; *driver-level executes* (SQLite only) "
+        "counts everything the sqlite3 connection ran, from its trace callback.",
+        "",
+        sections.get("sql_task", "(not run)"),
+        "",
+        "Per tick: one `Heartbeat` holding N leases of one owner, among "
+        "finished filler rows, ticked with `Heartbeat.beat_once()`.",
+        "",
+        sections.get("sql_tick", "(not run)"),
+        "",
+        "## Takeover latency",
+        "",
+        f"Embedded default (SQLite lease file, `filesystem://` broker, no `acks_late`), "
+        f"`lease_seconds = {takeover.LEASE_SECONDS:.0f}`, heartbeat every "
+        f"{takeover.HEARTBEAT:.0f} s, `celery beat` running the sweeper every "
+        f"{takeover.SWEEP:.0f} s, two `-P prefork -c 1` workers. Worker A holds a run "
+        "(attempt 1), B is idle; after a random pause of up to one heartbeat A gets "
+        "`kill -9` (its whole process group) or `SIGTERM` (warm shutdown). The figure is "
+        f"the time from the signal to attempt 2 starting on B; {trials} trial(s) each.",
+        "",
+        sections.get("takeover", "(not run)"),
+        "",
+        "## Claim throughput under contention (PostgreSQL)",
+        "",
+        f"{contention.PROCESSES} forked processes, each with its own engine, wait on a "
+        "barrier and then call `LeaseStore.claim` on run ids drawn in their own random "
+        "order from a set of 1, 10 or 1,000 (a won run stays held: the lease is 10 "
+        "minutes). *Claims/s* counts every call, won or refused.",
+        "",
+        sections.get("contention", "(not run)"),
+        "",
+        ANALYSIS,
+    ]
+    return "\n".join(str(p) for p in parts).rstrip() + "\n"
+
+
+ANALYSIS = """## What limits the figures
+
+**Throughput of a trivial task is bound by the lease's per-task cost, not by
+the database.** A task that does nothing costs plain Celery about 2 ms per
+pool process on this machine (Redis broker); a `LeasedTask` adds two
+statements (claim and guarded completion, the target), but each of them
+currently costs more than its SQL:
+
+* *Pre-ping round trips.* `create_lease_engine` turns on `pool_pre_ping`, and
+  every store method checks a connection out of the pool for its one
+  statement, so every statement is preceded by a `SELECT 1`: 2 extra round
+  trips per task on PostgreSQL (the *pool checkouts* column).
+* *Isolation-level resets.* Single statements run on
+  `engine.execution_options(isolation_level="AUTOCOMMIT")`, which shares the
+  pool with the transactional engine, so each checkin resets the connection's
+  isolation level; on SQLite that is a `PRAGMA read_uncommitted = 0` per
+  statement. With the pre-ping, SQLite runs 6 driver-level statements per
+  task for the 2 that matter.
+* *Statement construction.* `claim` and `complete` build their SQLAlchemy Core
+  statements on every call (`insert().values(...).on_conflict_do_update(...)`
+  with about twenty values, then a cache-key walk); profiling the in-process
+  path (`py-spy record` over `Task.apply`) puts this Python work ahead of the
+  time spent waiting on the database.
+
+Inside a real worker the round trips dominate: `py-spy record --subprocesses`
+over a `-P prefork -c 2` worker running `LeasedTask` on PostgreSQL + Redis
+(fsync off on this server, so no disk waits) found the pool processes
+waiting on the two pre-ping `SELECT 1`s for about 32% of the leased call and
+on the claim and completion themselves for about 24%. On a 2-core machine
+shared by the worker, its pool, PostgreSQL and Redis, every round trip costs
+a scheduler hand-off, so 4 round trips per task instead of 2 is the largest
+single cause of the PostgreSQL figure.
+
+So the SQLite and PostgreSQL throughput targets (0.9 and 0.8 of plain
+Celery) are missed for a task that does nothing. The overhead is a fixed cost
+per task (the *added ms* column): a task whose plain run costs *t* ms runs at
+about *t* / (*t* + added ms) of plain Celery, so the ratio rises as bodies do
+real work. For trivial tasks the
+remedies are in `store.py`: a lease engine without `pool_pre_ping` (disconnects
+are already handled by failing the claim closed and retrying the completion),
+a separate engine created with `isolation_level="AUTOCOMMIT"` instead of the
+per-checkout execution option, and claim/complete statements built once with
+bind parameters.
+
+The `filesystem://` transport lists its whole folder for every message it
+fetches, so its plain throughput falls as the queue gets deeper (compare a
+`--quick` run); the ratios stay comparable because every set-up starts from
+the same depth.
+
+celery-once's figure is not comparable one for one: it takes its lock when
+the message is published (see its enqueue rate) and only deletes a key in the
+worker.
+
+**Heartbeat.** One `UPDATE .. WHERE (id, lease_owner, attempt) IN (...)
+RETURNING` per tick, whatever the number of leases held; its latency grows
+with the size of that list (binding and matching 3 values per lease) but stays
+far below any useful heartbeat interval at 1,000 leases.
+
+**Takeover after kill -9** is lease expiry (up to `lease_seconds` after the
+last renewal) plus up to one sweep interval plus the filesystem broker's
+1-second poll; after `SIGTERM` the warm-shutdown hand-back makes it about one
+broker poll.
+
+**Claims under contention** are bound by the client processes (8 Python
+processes on 2 cores, each claim a few hundred microseconds of Python plus a
+pre-ping and the statement; a refused claim adds one read to say why), not by
+row locks: throughput barely changes from 1 to 1,000 run ids, and each run is
+won exactly once.
+"""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Throughput of a trivial task: plain Celery vs LeasedTask vs celery-once, real workers.
+
+Method: enqueue N ``bench.noop`` messages, then start one ``celery worker -P
+prefork -c 2`` and time from the first task's start (``task_prerun`` in any
+pool process) to the last ``task_postrun``, so worker boot is excluded and
+the lease completion / celery-once unlock are included. Configurations run
+interleaved, round after round; each figure is the median over rounds and
+each ratio the median of per-round ratios to plain Celery on the same broker.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis as redis_client
+from sqlalchemy import text
+
+from celery_lease import LeaseStore
+
+from .benchapp import make_app
+from .common import Proc, median, read_marks, unique, wait_for
+
+POOL = "prefork"
+CONCURRENCY = 2
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One column of the comparison: a broker, a mode and (for leased) a lease database."""
+
+    label: str
+    broker: str  # "filesystem" or "redis"
+    mode: str  # "plain", "leased", "once"
+    lease_db: str = ""  # "sqlite" or "postgresql"
+
+
+SETUPS = [
+    Setup("plain Celery", "filesystem", "plain"),
+    Setup("LeasedTask, SQLite", "filesystem", "leased", "sqlite"),
+    Setup("celery-once (Redis lock)", "filesystem", "once"),
+    Setup("plain Celery", "redis", "plain"),
+    Setup("LeasedTask, PostgreSQL", "redis", "leased", "postgresql"),
+    Setup("celery-once (Redis lock)", "redis", "once"),
+]
+
+
+@dataclass
+class Result:
+    setup: Setup
+    rate: float  # tasks/s, first start -> last finish
+    enqueue_rate: float  # messages/s published by the producer
+
+
+def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str | None) -> Result:
+    """Enqueue ``n`` tasks, start a worker, time it until all ``n`` finished."""
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
+    marks = run_dir / "marks"
+    marks.mkdir()
+    env = {
+        "BENCH_MODE": setup.mode,
+        "BENCH_MARKS": str(marks),
+        "BENCH_QUEUE": unique("bq"),
+    }
+    if setup.broker == "filesystem":
+        folder = run_dir / "broker"
+        (folder / "control").mkdir(parents=True)
+        env.update(BENCH_BROKER="filesystem://", BENCH_FS_DIR=str(folder))
+    else:
+        assert redis_url
+        env["BENCH_BROKER"] = redis_url
+    if setup.mode == "once":
+        assert redis_url
+        env["BENCH_ONCE_URL"] = redis_url
+    if setup.lease_db == "sqlite":
+        env["BENCH_LEASE_DB"] = f"sqlite:///{run_dir / 'leases.sqlite3'}"
+    elif setup.lease_db == "postgresql":
+        assert pg_url
+        env["BENCH_LEASE_DB"] = pg_url
+        store = LeaseStore.from_url(pg_url)
+        store.create_schema()
+        with store.engine.begin() as conn:
+            conn.execute(text("TRUNCATE celery_lease_runs"))
+        store.engine.dispose()
+    producer = make_app(env)
+    noop = producer.tasks["bench.noop"]
+    offset = random.randrange(10**9)  # fresh celery-once lock keys every run
+    started = time.perf_counter()
+    for i in range(n):
+        noop.apply_async(args=(offset + i,))
+    enqueue_rate = n / (time.perf_counter() - started)
+    producer.close()
+
+    worker = Proc.worker(env, run_dir / "worker.log", unique("bw"), concurrency=CONCURRENCY)
+    try:
+
+        def done() -> bool:
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited:\n{worker.log()[-3000:]}")
+            return sum(1 for kind, _ in read_marks(marks) if kind == "E") >= n
+
+        wait_for(done, 60 + n / 20, 0.1, f"{n} tasks ({setup.label})")
+    finally:
+        worker.stop()
+        if setup.broker == "redis" and redis_url:
+            _clean_redis(redis_url, env["BENCH_QUEUE"])
+    got = read_marks(marks)
+    first = min(float(f[0]) for kind, f in got if kind == "S")
+    last = max(float(f[0]) for kind, f in got if kind == "E")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return Result(setup, n / (last - first), enqueue_rate)
+
+
+def _clean_redis(url: str, queue: str) -> None:
+    client = redis_client.Redis.from_url(url)
+    keys = [queue, f"_kombu.binding.{queue}"]
+    keys += list(client.scan_iter(f"{queue}*", count=1000))
+    client.delete(*keys)
+    client.close()
+
+
+def run(
+    n: int, rounds: int, work: Path, redis_url: str | None, pg_url: str | None, log: Any = print
+) -> tuple[str, dict[str, Any]]:
+    """All set-ups, interleaved, ``rounds`` times; a Markdown table and the raw figures."""
+    setups = [s for s in SETUPS if (s.broker == "filesystem" and s.mode != "once") or redis_url]
+    setups = [s for s in setups if s.lease_db != "postgresql" or pg_url]
+    results: dict[Setup, list[Result]] = {s: [] for s in setups}
+    ratios: dict[Setup, list[float]] = {s: [] for s in setups}
+    for r in range(rounds):
+        order = setups[:]
+        random.shuffle(order)  # no set-up always runs first (page cache, a busy neighbour)
+        this_round: dict[Setup, Result] = {}
+        for setup in order:
+            res = run_one(setup, n, work, redis_url, pg_url)
+            this_round[setup] = res
+            results[setup].append(res)
+            log(
+                f"  round {r + 1} {setup.broker:10} {setup.label:26} {res.rate:8.1f} tasks/s "
+                f"(enqueue {res.enqueue_rate:7.1f}/s)"
+            )
+        for setup in setups:
+            plain = next(s for s in setups if s.broker == setup.broker and s.mode == "plain")
+            ratios[setup].append(this_round[setup].rate / this_round[plain].rate)
+    from .common import table
+
+    targets = {"sqlite": 0.9, "postgresql": 0.8}
+    rows = []
+    raw: dict[str, Any] = {}
+    once_ratio = {s.broker: median(ratios[s]) for s in setups if s.mode == "once"}
+    for setup in setups:
+        rate = median([x.rate for x in results[setup]])
+        ratio = median(ratios[setup])
+        verdict = ""
+        if setup.mode == "leased":
+            goal = targets[setup.lease_db]
+            peer = once_ratio.get(setup.broker)
+            ok = ratio >= goal and (peer is None or ratio >= peer)
+            verdict = f"{'met' if ok else 'missed'} (>= {goal}" + (
+                f", >= celery-once {peer:.2f})" if peer is not None else ")"
+            )
+        broker = "filesystem://" if setup.broker == "filesystem" else "Redis"
+        rows.append(
+            [
+                broker,
+                setup.label,
+                rate,
+                f"{ratio:.2f}",
+                " / ".join(f"{x.rate:.0f}" for x in results[setup]),
+                median([x.enqueue_rate for x in results[setup]]),
+                verdict,
+            ]
+        )
+        raw[f"{setup.broker}/{setup.label}"] = {"rate": rate, "ratio": ratio}
+    headers = [
+        "broker",
+        "task base",
+        "tasks/s (median)",
+        "ratio to plain",
+        "each round",
+        "enqueue msgs/s",
+        "target",
+    ]
+    return table(headers, rows), raw
