@@ -16,7 +16,11 @@ from typing import Any, Literal
 from sqlalchemy import (
     Connection,
     Engine,
+    Integer,
+    LargeBinary,
+    String,
     and_,
+    bindparam,
     case,
     create_engine,
     event,
@@ -126,10 +130,14 @@ class RunRecord:
 
 
 def create_lease_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine configured for lease traffic (WAL and a busy timeout on SQLite)."""
-    kwargs.setdefault("pool_pre_ping", True)
-    engine = create_engine(url, **kwargs)
-    return engine
+    """An engine for lease traffic (the store adds WAL and a busy timeout on SQLite).
+
+    No ``pool_pre_ping``: it would add a round trip to every statement. A
+    connection found dead fails that one statement, SQLAlchemy then discards
+    the pool, and each caller already retries (claims fail closed and are
+    re-published, heartbeats retry, completions retry).
+    """
+    return create_engine(url, **kwargs)
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -171,6 +179,14 @@ class LeaseStore:
         self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._upsert = self.dialect in ("sqlite", "postgresql")
         self._returning = self.dialect in ("sqlite", "postgresql")
+        # The hot path's two statements are built once, with bind parameters:
+        # building SQLAlchemy constructs per call costs more than the round trip.
+        self._complete_stmt = (
+            update(runs)
+            .where(self._guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt")))
+            .values(**self._success_values(db_now_ms()))
+        )
+        self._claim_stmt: Any = self._build_claim_upsert() if self._upsert else None
 
     @classmethod
     def from_url(cls, url: str, **engine_kwargs: Any) -> LeaseStore:
@@ -240,7 +256,7 @@ class LeaseStore:
             return ClaimResult("claimed", run_id, owner, row[0], RUNNING, 0.0, row[1])
         return self._claim_refused(run_id, owner, max_attempts)
 
-    def _claimable(self, max_attempts: int) -> Any:
+    def _claimable(self, max_attempts: Any) -> Any:
         now = db_now_ms()
         return and_(
             or_(
@@ -251,7 +267,7 @@ class LeaseStore:
             runs.c.cancel_requested_at.is_(None),
         )
 
-    def _takeover_values(self, owner: str, lease_ms: int, max_attempts: int) -> dict[str, Any]:
+    def _takeover_values(self, owner: Any, lease_ms: Any, max_attempts: Any) -> dict[str, Any]:
         now = db_now_ms()
         return {
             "status": RUNNING,
@@ -266,7 +282,7 @@ class LeaseStore:
             "updated_at": now,
         }
 
-    def _insert_values(self, values: dict[str, Any], lease_ms: int) -> dict[str, Any]:
+    def _insert_values(self, values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
         now = db_now_ms()
         return {
             **values,
@@ -278,16 +294,24 @@ class LeaseStore:
             "updated_at": now,
         }
 
-    def _claim_upsert(
-        self,
-        values: dict[str, Any],
-        lease_ms: int,
-        max_attempts: int,
-        conn: Connection | None = None,
-    ) -> tuple[int, int] | None:
-        """One ``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` (PG, SQLite)."""
+    def _build_claim_upsert(self) -> Any:
+        """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` (PG, SQLite)."""
         dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        stmt = (
+        lease_ms = bindparam("p_lease_ms", type_=Integer)
+        max_attempts = bindparam("p_max_attempts", type_=Integer)
+        values = {
+            "id": bindparam("p_id", type_=String),
+            "task_name": bindparam("p_task_name", type_=String),
+            "status": RUNNING,
+            "lease_owner": bindparam("p_owner", type_=String),
+            "lease_ms": lease_ms,
+            "attempt": 1,
+            "max_attempts": max_attempts,
+            "concurrency_key": bindparam("p_concurrency_key", type_=String),
+            "payload": bindparam("p_payload", type_=LargeBinary),
+            "payload_content_type": bindparam("p_payload_content_type", type_=String),
+        }
+        return (
             dialect_insert(runs)
             .values(self._insert_values(values, lease_ms))
             .on_conflict_do_update(
@@ -297,11 +321,30 @@ class LeaseStore:
             )
             .returning(runs.c.attempt, runs.c.lease_expires_at)
         )
+
+    def _claim_upsert(
+        self,
+        values: dict[str, Any],
+        lease_ms: int,
+        max_attempts: int,
+        conn: Connection | None = None,
+    ) -> tuple[int, int] | None:
+        """Run the prebuilt claim upsert; the new attempt and expiry, or None."""
+        params = {
+            "p_id": values["id"],
+            "p_task_name": values["task_name"],
+            "p_owner": values["lease_owner"],
+            "p_lease_ms": lease_ms,
+            "p_max_attempts": max_attempts,
+            "p_concurrency_key": values["concurrency_key"],
+            "p_payload": values["payload"],
+            "p_payload_content_type": values["payload_content_type"],
+        }
         if conn is not None:
-            row = conn.execute(stmt).first()
+            row = conn.execute(self._claim_stmt, params).first()
         else:
             with self._auto.connect() as auto:
-                row = auto.execute(stmt).first()
+                row = auto.execute(self._claim_stmt, params).first()
         return None if row is None else (int(row[0]), int(row[1]))
 
     def _claim_limited(
@@ -570,7 +613,7 @@ class LeaseStore:
 
     # -- outcomes -------------------------------------------------------------
 
-    def _guarded(self, run_id: str, owner: str, attempt: int) -> Any:
+    def _guarded(self, run_id: Any, owner: Any, attempt: Any) -> Any:
         return and_(
             runs.c.id == run_id,
             runs.c.lease_owner == owner,
@@ -605,13 +648,9 @@ class LeaseStore:
         the run (``fence(complete=True)``, or a retry after a lost reply), it
         returns quietly.
         """
-        stmt = (
-            update(runs)
-            .where(self._guarded(run_id, owner, attempt))
-            .values(**self._success_values(db_now_ms()))
-        )
+        params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
         with self._auto.connect() as conn:
-            if conn.execute(stmt).rowcount == 1:
+            if conn.execute(self._complete_stmt, params).rowcount == 1:
                 return
         row = self.get(run_id)
         if row and row.status == SUCCEEDED and row.lease_owner == owner and row.attempt == attempt:
