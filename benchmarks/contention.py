@@ -44,7 +44,7 @@ def _racer(url: str, ids: int, attempts: int, barrier: Any, queue: Any) -> None:
         )
         wins += result.outcome == "claimed"
     queue.put((wins, started, time.perf_counter()))
-    store.engine.dispose()
+    store.dispose()
 
 
 def race(url: str, ids: int, attempts: int) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def race(url: str, ids: int, attempts: int) -> dict[str, Any]:
         won, max_attempt = conn.execute(
             select(func.count(), func.max(runs.c.attempt)).where(runs.c.id.like("race-%"))
         ).one()
-    store.engine.dispose()
+    store.dispose()
     wins = sorted((o[0] for o in outcomes), reverse=True)
     return {
         "ids": ids,

@@ -37,18 +37,19 @@ from .common import median, table
 
 
 class Counter:
-    """Statements, pool checkouts and (SQLite) driver-level executes on one engine."""
+    """Statements, pool checkouts and (SQLite) driver-level executes on a store's engines."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, *engines: Engine) -> None:
         self.statements = 0
         self.checkouts = 0
         self.driver = 0
-        self.engine = engine
-        event.listen(engine, "before_cursor_execute", self._on_statement)
-        event.listen(engine.pool, "checkout", self._on_checkout)
-        if engine.dialect.name == "sqlite":
-            event.listen(engine, "connect", self._on_connect)
-            engine.dispose()  # new connections get the trace callback
+        self.engines = engines
+        for engine in engines:
+            event.listen(engine, "before_cursor_execute", self._on_statement)
+            event.listen(engine.pool, "checkout", self._on_checkout)
+            if engine.dialect.name == "sqlite":
+                event.listen(engine, "connect", self._on_connect)
+                engine.dispose()  # new connections get the trace callback
 
     def _on_statement(self, *args: Any, **kwargs: Any) -> None:
         self.statements += 1
@@ -67,7 +68,8 @@ class Counter:
 
     def close(self) -> None:
         # The pool listener goes with the engine (dispose() recreates the pool).
-        event.remove(self.engine, "before_cursor_execute", self._on_statement)
+        for engine in self.engines:
+            event.remove(engine, "before_cursor_execute", self._on_statement)
 
 
 def per_task(url: str, n: int) -> dict[str, float]:
@@ -85,7 +87,7 @@ def per_task(url: str, n: int) -> dict[str, float]:
 
     store = store_for(app)
     store.create_schema()
-    counter = Counter(store.engine)
+    counter = Counter(*store.engines)
     for i in range(min(50, n)):
         leased.apply(args=(i,))
     times: dict[str, list[float]] = {"plain": [], "leased": []}
@@ -107,7 +109,7 @@ def per_task(url: str, n: int) -> dict[str, float]:
     }
     counter.close()
     runtime_heartbeat_stop(app)
-    store.engine.dispose()
+    store.dispose()
     return result
 
 
@@ -166,7 +168,7 @@ def per_tick(url: str, counts: list[int], ticks: int, filler: int) -> list[dict[
     """Statements and median latency of one heartbeat tick per held-lease count."""
     store = LeaseStore.from_url(url)
     store.create_schema()
-    counter = Counter(store.engine)
+    counter = Counter(*store.engines)
     out = []
     for count in counts:
         with held_leases(store, count, filler) as heartbeat:
@@ -189,7 +191,7 @@ def per_tick(url: str, counts: list[int], ticks: int, filler: int) -> list[dict[
                 }
             )
     counter.close()
-    store.engine.dispose()
+    store.dispose()
     return out
 
 

@@ -144,7 +144,7 @@ def _open_store(ctx: click.Context) -> LeaseStore:
             "and the working directory)"
         )
     store = LeaseStore.from_url(url)
-    ctx.call_on_close(store.engine.dispose)
+    ctx.call_on_close(store.dispose)
     if not store.has_schema():
         raise _Failure(
             f"lease database {shown} has no {TABLE_NAME} table: run "

@@ -171,12 +171,18 @@ class LeaseStore:
     read-then-write paths run in one short transaction.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, autocommit_engine: Engine | None = None) -> None:
+        """Use ``engine`` for transactions and ``autocommit_engine`` for single statements.
+
+        Without ``autocommit_engine``, single statements borrow ``engine``'s pool
+        in autocommit mode (each check-in then resets the isolation level).
+        """
         self.engine = engine
         self.dialect = engine.dialect.name
         if self.dialect == "sqlite":
             _configure_sqlite(engine)
-        self._auto = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._own_auto = autocommit_engine
+        self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
         self._upsert = self.dialect in ("sqlite", "postgresql")
         self._returning = self.dialect in ("sqlite", "postgresql")
         # The hot path's two statements are built once, with bind parameters:
@@ -190,8 +196,27 @@ class LeaseStore:
 
     @classmethod
     def from_url(cls, url: str, **engine_kwargs: Any) -> LeaseStore:
-        """A store on a new engine for ``url``."""
-        return cls(create_lease_engine(url, **engine_kwargs))
+        """A store on new engines for ``url``.
+
+        On servers, single statements get an engine of their own whose
+        connections stay in autocommit mode (no reset per check-out); SQLite
+        shares one pool, where that reset is an in-process pragma.
+        """
+        engine = create_lease_engine(url, **engine_kwargs)
+        if engine.dialect.name == "sqlite":
+            return cls(engine)
+        auto = create_lease_engine(url, isolation_level="AUTOCOMMIT", **engine_kwargs)
+        return cls(engine, autocommit_engine=auto)
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine this store runs statements on (for instrumentation)."""
+        return (self.engine,) if self._own_auto is None else (self.engine, self._own_auto)
+
+    def dispose(self) -> None:
+        """Close every pooled connection of this store."""
+        for engine in self.engines:
+            engine.dispose()
 
     # -- schema ---------------------------------------------------------------
 
@@ -205,7 +230,8 @@ class LeaseStore:
 
     def dispose_after_fork(self) -> None:
         """Drop pooled connections inherited from a parent process without closing them."""
-        self.engine.dispose(close=False)
+        for engine in self.engines:
+            engine.dispose(close=False)
 
     # -- claim ----------------------------------------------------------------
 

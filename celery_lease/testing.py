@@ -78,7 +78,7 @@ def temporary_lease_store() -> Iterator[LeaseStore]:
         try:
             yield store
         finally:
-            store.engine.dispose()
+            store.dispose()
 
 
 def use_lease_database(
@@ -115,7 +115,7 @@ def shutdown_leases(app: Celery) -> None:
     runtimes: dict[str, Any] = app.__dict__.get("_celery_lease_runtimes", {})
     for runtime in list(runtimes.values()):
         runtime.heartbeat.stop(timeout=5.0)
-        runtime.store.engine.dispose()
+        runtime.store.dispose()
     runtimes.clear()
 
 
@@ -212,4 +212,4 @@ else:
         store = LeaseStore.from_url(lease_database_url)
         store.create_schema()
         yield store
-        store.engine.dispose()
+        store.dispose()

@@ -102,5 +102,5 @@ class Cluster:
         return None if row is None else row.status
 
     def close(self) -> None:
-        self.store.engine.dispose()
+        self.store.dispose()
         self.engine.dispose()

@@ -83,7 +83,7 @@ def store(db_url: str) -> Iterator[LeaseStore]:
     lease_store = LeaseStore.from_url(db_url)
     lease_store.create_schema()
     yield lease_store
-    lease_store.engine.dispose()
+    lease_store.dispose()
 
 
 @pytest.fixture

@@ -77,7 +77,7 @@ def store(cli: Cli) -> Iterator[LeaseStore]:
     upgrade(cli.db_url)
     lease_store = LeaseStore.from_url(cli.db_url)
     yield lease_store
-    lease_store.engine.dispose()
+    lease_store.dispose()
 
 
 def claim(
@@ -108,14 +108,14 @@ def test_migrate_creates_schema_then_is_idempotent(cli: Cli) -> None:
     assert "already at revision 0001" in cli.ok("migrate")
     store = LeaseStore.from_url(cli.db_url)
     assert store.has_schema()
-    store.engine.dispose()
+    store.dispose()
 
 
 def test_migrate_adopts_table_created_on_first_use(cli: Cli) -> None:
     """`lease migrate` on a table the store auto-created records it instead of crashing."""
     store = LeaseStore.from_url(cli.db_url)
     store.create_schema()
-    store.engine.dispose()
+    store.dispose()
     assert "recorded it at revision 0001" in cli.ok("migrate")
     assert "already at revision 0001" in cli.ok("migrate")
 

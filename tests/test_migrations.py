@@ -79,7 +79,7 @@ def test_table_made_by_create_all_is_adopted(db_url: str) -> None:
     assert _differences(db_url) == []
     row = store.get("r1")
     assert row is not None and row.status == "running"  # existing rows are untouched
-    store.engine.dispose()
+    store.dispose()
 
 
 def test_foreign_table_with_our_name_is_refused(db_url: str) -> None:
@@ -102,4 +102,4 @@ def test_migrated_database_serves_the_store(db_url: str) -> None:
     store.complete("r1", "o:1:x", claim.attempt)
     row = store.get("r1")
     assert row is not None and row.status == "succeeded"
-    store.engine.dispose()
+    store.dispose()

@@ -123,11 +123,13 @@ def test_heartbeat_renews_many_in_one_statement(store: LeaseStore) -> None:
     def count(*args: Any) -> None:
         statements.append(args[2])
 
-    event.listen(store.engine, "before_cursor_execute", count)
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", count)
     try:
         beat = store.heartbeat([*keys, ("nope", "X", 1)])
     finally:
-        event.remove(store.engine, "before_cursor_execute", count)
+        for engine in store.engines:
+            event.remove(engine, "before_cursor_execute", count)
     assert beat.renewed == set(keys)
     assert beat.lost == {("nope", "X", 1)}
     # MySQL has no UPDATE .. RETURNING: the renewed rows are read back in the
@@ -196,7 +198,7 @@ def _racer(url: str, barrier: Any, rounds: int, results: Any, index: int) -> Non
             f"race-{round_no}", f"p{index}", task_name="t", lease_ms=60_000, max_attempts=5
         )
         results.put((round_no, index, result.outcome, result.attempt))
-    store.engine.dispose()
+    store.dispose()
 
 
 @pytest.mark.timeout(300)
@@ -254,7 +256,7 @@ def _sweeper(url: str, barrier: Any, results: Any) -> None:
     store = LeaseStore.from_url(url, pool_size=1)
     barrier.wait(30)
     results.put([record.id for record, _status in store.sweep_expired(limit=1000)])
-    store.engine.dispose()
+    store.dispose()
 
 
 def test_sweep_leaves_renewed_and_taken_over_runs_alone(store: LeaseStore) -> None:
@@ -296,7 +298,7 @@ def test_two_concurrent_sweepers_never_take_the_same_run(pg_url: str) -> None:
             proc.join(30)
     assert not set(first) & set(second)
     assert set(first) | set(second) == {f"x{i}" for i in range(200)}
-    store.engine.dispose()
+    store.dispose()
 
 
 @pytest.mark.timeout(60)

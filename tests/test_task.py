@@ -39,7 +39,9 @@ def test_uncontended_run_issues_two_statements(app: Celery) -> None:
         return a + b
 
     store = store_for(app)
-    store.now_ms()  # warm the pool: connecting is not a statement we count
+    store.now_ms()  # warm the pools: connecting is not a statement we count
+    with store.engine.connect():
+        pass
     seen: list[tuple[int, str]] = []
 
     def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -48,12 +50,14 @@ def test_uncontended_run_issues_two_statements(app: Celery) -> None:
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
         heartbeat = store_for(app)  # same store the worker uses
         assert heartbeat is store
-        event.listen(store.engine, "before_cursor_execute", count)
+        for engine in store.engines:
+            event.listen(engine, "before_cursor_execute", count)
         try:
             result = add.delay(2, 3)
             assert result.get(timeout=20) == 5
         finally:
-            event.remove(store.engine, "before_cursor_execute", count)
+            for engine in store.engines:
+                event.remove(engine, "before_cursor_execute", count)
     task_thread = {tid for tid, stmt in seen if stmt.lstrip().upper().startswith("INSERT")}
     statements = [stmt for tid, stmt in seen if tid in task_thread]
     kinds = [stmt.split()[0].upper() for stmt in statements]

@@ -29,7 +29,7 @@ def test_lease_store_at_creates_the_table(tmp_path: Path) -> None:
     """lease_store_at gives a working store on a new SQLite file."""
     store = testing.lease_store_at(tmp_path / "x.sqlite3")
     assert store.has_schema() and (tmp_path / "x.sqlite3").exists()
-    store.engine.dispose()
+    store.dispose()
 
 
 def test_temporary_lease_store_is_removed_afterwards() -> None:
