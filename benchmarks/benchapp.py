@@ -39,6 +39,9 @@ def make_app(env: dict[str, str]) -> Celery:
         conf["lease_sweep_interval"] = float(env["BENCH_SWEEP"])
     if env.get("BENCH_FS_DIR"):
         folder = env["BENCH_FS_DIR"]
+        # Every set-up (plain, leased, celery-once) uses the same atomic-publish
+        # transport, so the comparison stays like for like.
+        conf["broker_transport"] = "celery_lease.fs_transport:Transport"
         conf["broker_transport_options"] = {
             "data_folder_in": folder,
             "data_folder_out": folder,

@@ -241,7 +241,7 @@ def run(
             "lease database",
             "SQL statements / task",
             "target 2",
-            "pool checkouts (pre-ping round trips) / task",
+            "pool checkouts / task",
             "driver-level executes / task",
             "added ms / task (in-process)",
         ],
