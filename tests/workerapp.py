@@ -89,14 +89,16 @@ def effects_engine() -> Any:
     return _engine
 
 
-def record(run_id: str, attempt: int, kind: str) -> None:
-    """Write one effect row outside any fence."""
-    with effects_engine().begin() as conn:
-        conn.execute(
-            insert(effects).values(
-                run_id=run_id, attempt=attempt, kind=kind, pid=os.getpid(), at=time.time()
-            )
-        )
+def record(run_id: str, attempt: int, kind: str, conn: Any = None) -> None:
+    """Write one effect row: in ``conn``'s transaction if given, else on its own."""
+    stmt = insert(effects).values(
+        run_id=run_id, attempt=attempt, kind=kind, pid=os.getpid(), at=time.time()
+    )
+    if conn is not None:
+        conn.execute(stmt)
+        return
+    with effects_engine().begin() as own:
+        own.execute(stmt)
 
 
 @app.task(base=LeasedTask, bind=True, name="workerapp.work")
@@ -109,15 +111,7 @@ def work(self: LeasedTask, seconds: float = 0.0) -> str:
         time.sleep(0.05)
     with effects_engine().begin() as conn:
         self.lease.fence(conn)
-        conn.execute(
-            insert(effects).values(
-                run_id=self.lease.run_id,
-                attempt=self.lease.attempt,
-                kind="commit",
-                pid=os.getpid(),
-                at=time.time(),
-            )
-        )
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
     return "done"
 
 
@@ -199,13 +193,5 @@ def effect(self: LeasedTask, seconds: float) -> str:
         time.sleep(0.02)
     with effects_engine().begin() as conn:
         self.lease.fence(conn, complete=True)
-        conn.execute(
-            insert(effects).values(
-                run_id=self.lease.run_id,
-                attempt=self.lease.attempt,
-                kind="commit",
-                pid=os.getpid(),
-                at=time.time(),
-            )
-        )
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
     return "committed"
