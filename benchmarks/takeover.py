@@ -112,7 +112,7 @@ def run(trials: int, work: Path, log: Any = print) -> tuple[str, dict[str, Any]]
         for proc in procs:
             proc.stop()
         producer.close()
-        store.engine.dispose()
+        store.dispose()
     bound = LEASE_SECONDS + HEARTBEAT + 1
     rows = []
     raw: dict[str, Any] = {}

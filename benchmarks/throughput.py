@@ -86,7 +86,7 @@ def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str
         store.create_schema()
         with store.engine.begin() as conn:
             conn.execute(text("TRUNCATE celery_lease_runs"))
-        store.engine.dispose()
+        store.dispose()
     producer = make_app(env)
     noop = producer.tasks["bench.noop"]
     offset = random.randrange(10**9)  # fresh celery-once lock keys every run

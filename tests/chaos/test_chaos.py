@@ -134,7 +134,7 @@ def test_postgres_restart_mid_batch(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    cluster.store.engine.dispose()
+    cluster.store.dispose()
     cluster.engine.dispose()
     wait_for(lambda: all_terminal(cluster, run_ids), 180, interval=1.0, what="the batch")
     assert all(w.proc.poll() is None for w in workers), "a worker died"
