@@ -8,14 +8,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from tests.helpers import wait_for  # shared with the test suite
 
 T = TypeVar("T")
 
@@ -49,36 +46,6 @@ def check_loopback(url: str) -> None:
 def unique(prefix: str) -> str:
     """A short unique name for a database, queue or directory."""
     return f"{prefix}{uuid.uuid4().hex[:10]}"
-
-
-@contextlib.contextmanager
-def pg_database(admin_url: str) -> Iterator[str]:
-    """Create a fresh PostgreSQL database, yield its URL, drop it afterwards."""
-    name = unique("clbench_")
-    engine = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    try:
-        yield url
-    finally:
-        with engine.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        engine.dispose()
-
-
-def wait_for(
-    predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition"
-) -> T:
-    """Poll ``predicate`` until it returns something truthy; raise after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Proc:

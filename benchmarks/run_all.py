@@ -25,8 +25,10 @@ import celery
 import sqlalchemy
 from sqlalchemy import create_engine, text
 
+from tests.helpers import pg_database
+
 from . import contention, sql, takeover, throughput
-from .common import REPO, check_loopback, pg_admin_url, pg_database, redis_url
+from .common import REPO, check_loopback, pg_admin_url, redis_url
 
 DOC = REPO / "docs" / "benchmarks.md"
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, str] = {}
     began = time.monotonic()
     try:
-        with pg_database(admin) if admin else contextlib.nullcontext() as pg_url:
+        with pg_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg_url:
             print(f"throughput: {tasks} tasks x {rounds} round(s)", flush=True)
             sections["throughput"], _ = throughput.run(tasks, rounds, work, redis, pg_url)
             print(sections["throughput"], flush=True)

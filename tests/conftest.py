@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 
 from celery_lease.store import LeaseStore
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
-from tests.helpers import Worker, require
+from tests.helpers import Worker, pg_database, require
 
 PG_ENV = "CELERY_LEASE_TEST_PG_URL"
 REDIS_ENV = "CELERY_LEASE_TEST_REDIS_URL"
@@ -35,17 +35,8 @@ def _pg_admin_url() -> str | None:
 def pg_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for this test, dropped afterwards."""
     admin = require(_pg_admin_url(), f"PostgreSQL ({PG_ENV})")
-    name = f"cl_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(admin, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
-    with engine.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(admin).set(database=name).render_as_string(hide_password=False)
-    try:
+    with pg_database(admin) as url:
         yield url
-    finally:
-        with engine.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        engine.dispose()
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +30,28 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def pg_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
+    """Create a fresh PostgreSQL database, yield its URL, drop it afterwards.
+
+    Shared by the test fixtures and the benchmark scripts.
+    """
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    engine = create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    with engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with engine.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        engine.dispose()
 
 
 class Worker:
