@@ -130,18 +130,24 @@ def render(
         "start-up is excluded. The six set-ups run in a shuffled order in each of "
         f"{rounds} round(s). *Enqueue msgs/s* is the producer's publishing rate: "
         "celery-once takes its Redis lock there, at enqueue, so most of its cost is "
-        "outside the timed window.",
+        "outside the timed window. *End-to-end ratio* puts it back: N over publishing "
+        "time plus worker time, as a ratio to plain Celery's. *CPU ms / task* is the CPU "
+        "time used while the worker drained the queue (its main process and pool "
+        "children, plus every local `postgres` and `redis-server` process where the "
+        "set-up uses them), per task; it is steadier than throughput on a shared "
+        "machine. The verdict is taken on the worker-side ratio.",
         "",
         sections.get("throughput", "(not run)"),
         "",
         "## SQL per task and per heartbeat tick",
         "",
-        "Counted with SQLAlchemy's `before_cursor_execute` on the lease engine. Per task: "
-        "a `LeasedTask` run in-process through Celery's tracer (`Task.apply`), after a "
-        "warm-up; *added ms* is its time minus a plain task's. *Pool checkouts* count "
-        "connection checkouts, each of which costs one more `SELECT 1` round trip because "
-        "the lease engine has `pool_pre_ping` on; *driver-level executes* (SQLite only) "
-        "counts everything the sqlite3 connection ran, from its trace callback.",
+        "Counted at the database driver, below SQLAlchemy (SQLite's trace callback, "
+        "psycopg's `Cursor.execute`), because the claim and the completion run on the "
+        "raw DBAPI cursor; only the calling thread's statements count. Per task: a "
+        "`LeasedTask` run in-process through Celery's tracer (`Task.apply`), after a "
+        "warm-up; *added ms* is its wall time minus a plain task's, *added CPU ms* this "
+        "process's CPU time minus a plain task's (the database server's is not in it). "
+        "*Pool checkouts* count connection checkouts.",
         "",
         sections.get("sql_task", "(not run)"),
         "",

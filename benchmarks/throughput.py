@@ -6,10 +6,17 @@ pool process) to the last ``task_postrun``, so worker boot is excluded and
 the lease completion / celery-once unlock are included. Configurations run
 interleaved, round after round; each figure is the median over rounds and
 each ratio the median of per-round ratios to plain Celery on the same broker.
+
+Two more columns per set-up: *end to end*, N over the publishing time plus the
+worker's time (celery-once takes its lock while publishing), and *CPU ms per
+task*: the CPU time of the worker's processes and of the local database and
+Redis servers while the worker drained the queue, per task. CPU time is less
+disturbed by a busy neighbour than wall time.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -55,6 +62,38 @@ class Result:
     setup: Setup
     rate: float  # tasks/s, first start -> last finish
     enqueue_rate: float  # messages/s published by the producer
+    end_to_end: float  # tasks/s over publishing time + worker time
+    cpu_ms: float  # CPU ms per task: worker processes + local servers
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> list[tuple[int, int, str, float]]:
+    """``(pid, ppid, name, cpu seconds)`` of every process this machine shows."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                head, _, rest = handle.read().rpartition(")")
+        except OSError:
+            continue  # it ended meanwhile
+        fields = rest.split()
+        name = head.partition("(")[2]
+        cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+        found.append((int(entry), int(fields[1]), name, cpu))
+    return found
+
+
+def cpu_seconds(worker_pid: int, servers: tuple[str, ...]) -> float:
+    """CPU seconds so far of the worker, its pool children and the ``servers`` processes."""
+    total = 0.0
+    for pid, ppid, name, cpu in _processes():
+        if pid == worker_pid or ppid == worker_pid or name in servers:
+            total += cpu
+    return total
 
 
 def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str | None) -> Result:
@@ -96,15 +135,23 @@ def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str
     enqueue_rate = n / (time.perf_counter() - started)
     producer.close()
 
+    servers = ("redis-server",) if setup.broker == "redis" else ()
+    if setup.lease_db == "postgresql":
+        servers += ("postgres",)
     worker = Proc.worker(env, run_dir / "worker.log", unique("bw"), concurrency=CONCURRENCY)
     try:
 
-        def done() -> bool:
+        def finished() -> int:
             if worker.proc.poll() is not None:
                 raise RuntimeError(f"worker exited:\n{worker.log()[-3000:]}")
-            return sum(1 for kind, _ in read_marks(marks) if kind == "E") >= n
+            return sum(1 for kind, _ in read_marks(marks) if kind == "E")
 
-        wait_for(done, 60 + n / 20, 0.1, f"{n} tasks ({setup.label})")
+        # CPU is counted from the first finished task to the last, so that
+        # worker start-up is left out like it is from the rate.
+        wait_for(lambda: finished() >= 1, 60, 0.01, f"the first task ({setup.label})")
+        cpu_start, done_start = cpu_seconds(worker.pid, servers), finished()
+        wait_for(lambda: finished() >= n, 60 + n / 20, 0.05, f"{n} tasks ({setup.label})")
+        cpu_used, done_during = cpu_seconds(worker.pid, servers) - cpu_start, n - done_start
     finally:
         worker.stop()
         if setup.broker == "redis" and redis_url:
@@ -113,7 +160,9 @@ def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str
     first = min(float(f[0]) for kind, f in got if kind == "S")
     last = max(float(f[0]) for kind, f in got if kind == "E")
     shutil.rmtree(run_dir, ignore_errors=True)
-    return Result(setup, n / (last - first), enqueue_rate)
+    rate = n / (last - first)
+    end_to_end = n / (n / enqueue_rate + n / rate)
+    return Result(setup, rate, enqueue_rate, end_to_end, cpu_used * 1000 / max(done_during, 1))
 
 
 def _clean_redis(url: str, queue: str) -> None:
@@ -132,6 +181,7 @@ def run(
     setups = [s for s in setups if s.lease_db != "postgresql" or pg_url]
     results: dict[Setup, list[Result]] = {s: [] for s in setups}
     ratios: dict[Setup, list[float]] = {s: [] for s in setups}
+    e2e_ratios: dict[Setup, list[float]] = {s: [] for s in setups}
     for r in range(rounds):
         order = setups[:]
         random.shuffle(order)  # no set-up always runs first (page cache, a busy neighbour)
@@ -142,11 +192,13 @@ def run(
             results[setup].append(res)
             log(
                 f"  round {r + 1} {setup.broker:10} {setup.label:26} {res.rate:8.1f} tasks/s "
-                f"(enqueue {res.enqueue_rate:7.1f}/s)"
+                f"(enqueue {res.enqueue_rate:7.1f}/s, end to end {res.end_to_end:7.1f}/s, "
+                f"{res.cpu_ms:.2f} CPU ms/task)"
             )
         for setup in setups:
             plain = next(s for s in setups if s.broker == setup.broker and s.mode == "plain")
             ratios[setup].append(this_round[setup].rate / this_round[plain].rate)
+            e2e_ratios[setup].append(this_round[setup].end_to_end / this_round[plain].end_to_end)
     from .common import table
 
     targets = {"sqlite": 0.9, "postgresql": 0.8}
@@ -173,10 +225,17 @@ def run(
                 f"{ratio:.2f}",
                 " / ".join(f"{x.rate:.0f}" for x in results[setup]),
                 median([x.enqueue_rate for x in results[setup]]),
+                f"{median(e2e_ratios[setup]):.2f}",
+                f"{median([x.cpu_ms for x in results[setup]]):.2f}",
                 verdict,
             ]
         )
-        raw[f"{setup.broker}/{setup.label}"] = {"rate": rate, "ratio": ratio}
+        raw[f"{setup.broker}/{setup.label}"] = {
+            "rate": rate,
+            "ratio": ratio,
+            "end_to_end_ratio": median(e2e_ratios[setup]),
+            "cpu_ms": median([x.cpu_ms for x in results[setup]]),
+        }
     headers = [
         "broker",
         "task base",
@@ -184,6 +243,8 @@ def run(
         "ratio to plain",
         "each round",
         "enqueue msgs/s",
+        "end-to-end ratio",
+        "CPU ms / task",
         "target",
     ]
     return table(headers, rows), raw

@@ -40,6 +40,8 @@ def emit(
 
     A failing listener is logged and skipped: observability never breaks a task.
     """
+    if not _listeners and not logger.isEnabledFor(level):
+        return  # the hot path: two events per task, usually below the log level
     extra = {"lease_event": event, "run_id": run_id, **{f"lease_{k}": v for k, v in fields.items()}}
     logger.log(level, message, *args, extra=extra)
     data = {"run_id": run_id, **fields}

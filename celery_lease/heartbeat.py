@@ -45,7 +45,9 @@ class Heartbeat:
         """
         with self._lock:
             self._leases[lease.key] = lease
-            if lease.heartbeat_interval < self._wait_locked(exclude=lease):
+            if lease.heartbeat_interval < self.interval and lease.heartbeat_interval < (
+                self._wait_locked(exclude=lease)
+            ):
                 self._wake.set()  # the current wait is too long for this lease
             if start and (self._thread is None or not self._thread.is_alive()):
                 self._start_locked()

@@ -8,6 +8,7 @@ comparison uses :class:`~celery_lease.schema.db_now_ms`, the database clock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable
@@ -32,7 +33,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from .errors import LeaseError, LeaseLost
@@ -164,6 +165,89 @@ def _configure_sqlite(engine: Engine) -> None:
         event.listen(engine, "begin", on_begin)
 
 
+class DriverStatement:
+    """A statement compiled once and run on a pooled DBAPI cursor, below SQLAlchemy.
+
+    The claim and the completion run once per task. Through
+    ``Connection.execute`` SQLAlchemy's connection, parameter and result
+    machinery cost about as much CPU as the round trip itself; here a call is a
+    pool checkout, ``cursor.execute`` and a check-in. Only for statements that
+    need no result processing (integers back, if anything), and only on an
+    engine whose connections are in autocommit mode. Driver errors are raised as
+    SQLAlchemy's ``DBAPIError`` subclasses, as ``Connection.execute`` would, and
+    a connection found dead is invalidated. SQLAlchemy's execution events
+    (``before_cursor_execute``) do not see these statements.
+    """
+
+    def __init__(self, engine: Engine, statement: Any, *, returns_row: bool) -> None:
+        dialect = engine.dialect
+        compiled = statement.compile(dialect=dialect)
+        if compiled.escaped_bind_names:
+            raise ValueError("bind parameter names must not need escaping")
+        self.engine = engine
+        self.sql = compiled.string
+        self.returns_row = returns_row
+        self._positions = tuple(compiled.positiontup or ()) if compiled.positional else None
+        self._processors = {
+            name: process
+            for name, bind in compiled.binds.items()
+            if (process := bind.type.dialect_impl(dialect).bind_processor(dialect)) is not None
+        }
+        # Literal values compiled into binds ('running', 1, NULL), processed once.
+        self._defaults = self._process(dict(compiled.params))
+        self._dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+        self._sqlite = dialect.name == "sqlite"
+
+    def _process(self, params: dict[str, Any]) -> dict[str, Any]:
+        for name, process in self._processors.items():
+            if name in params and params[name] is not None:
+                params[name] = process(params[name])
+        return params
+
+    def execute(self, params: dict[str, Any]) -> tuple[int, Any]:
+        """Run with ``params`` (by bind name); ``(rowcount, first row or None)``."""
+        merged = {**self._defaults, **self._process(params)}
+        args: Any = merged if self._positions is None else [merged[n] for n in self._positions]
+        try:
+            raw = self.engine.raw_connection()
+        except self._dbapi_error as exc:
+            raise self._wrap(exc, args, invalidated=False) from exc
+        cursor = None
+        try:
+            driver: Any = raw.dbapi_connection
+            if self._sqlite and driver.isolation_level is not None:
+                # SQLAlchemy's reset of an AUTOCOMMIT check-out leaves pysqlite
+                # opening implicit transactions; this store's connections keep
+                # that off (see _configure_sqlite), or this write would be
+                # rolled back at check-in.
+                driver.isolation_level = None
+            cursor = raw.cursor()
+            cursor.execute(self.sql, args)
+            row = cursor.fetchone() if self.returns_row else None
+            return int(cursor.rowcount), row
+        except self._dbapi_error as exc:
+            dead = self.engine.dialect.is_disconnect(exc, driver, cursor)  # type: ignore[arg-type]
+            if dead:
+                raw.invalidate(exc)
+            raise self._wrap(exc, args, invalidated=dead) from exc
+        finally:
+            if cursor is not None:
+                # The statement's own outcome (or error) is what counts.
+                with contextlib.suppress(self._dbapi_error):
+                    cursor.close()
+            raw.close()
+
+    def _wrap(self, exc: Exception, args: Any, *, invalidated: bool) -> Exception:
+        return DBAPIError.instance(
+            self.sql,
+            args,
+            exc,
+            self._dbapi_error,
+            connection_invalidated=invalidated,
+            dialect=self.engine.dialect,
+        )
+
+
 class LeaseStore:
     """All lease SQL, over one SQLAlchemy engine.
 
@@ -185,14 +269,24 @@ class LeaseStore:
         self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
         self._upsert = self.dialect in ("sqlite", "postgresql")
         self._returning = self.dialect in ("sqlite", "postgresql")
-        # The hot path's two statements are built once, with bind parameters:
-        # building SQLAlchemy constructs per call costs more than the round trip.
-        self._complete_stmt = (
-            update(runs)
-            .where(self._guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt")))
-            .values(**self._success_values(db_now_ms()))
+        # The hot path's two statements are compiled once and run at the driver
+        # level (DriverStatement) on an engine in autocommit mode: SQLite's
+        # connections are (the driver's own transaction handling is off), a
+        # server's autocommit engine is. Without one, they go through SQLAlchemy.
+        complete = update(runs).where(
+            self._guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt"))
         )
+        self._complete_stmt = complete.values(**self._success_values(db_now_ms()))
         self._claim_stmt: Any = self._build_claim_upsert() if self._upsert else None
+        self._driver = self.dialect == "sqlite" or autocommit_engine is not None
+        self._complete_driver: DriverStatement | None = None
+        self._claim_driver: DriverStatement | None = None
+        if self._driver:
+            self._complete_driver = DriverStatement(
+                self._auto, self._complete_stmt, returns_row=False
+            )
+            if self._claim_stmt is not None:
+                self._claim_driver = DriverStatement(self._auto, self._claim_stmt, returns_row=True)
 
     @classmethod
     def from_url(cls, url: str, **engine_kwargs: Any) -> LeaseStore:
@@ -205,7 +299,9 @@ class LeaseStore:
         engine = create_lease_engine(url, **engine_kwargs)
         if engine.dialect.name == "sqlite":
             return cls(engine)
-        auto = create_lease_engine(url, isolation_level="AUTOCOMMIT", **engine_kwargs)
+        # Autocommit connections never hold a transaction: no reset on check-in.
+        auto_kwargs = {"pool_reset_on_return": None, **engine_kwargs}
+        auto = create_lease_engine(url, isolation_level="AUTOCOMMIT", **auto_kwargs)
         return cls(engine, autocommit_engine=auto)
 
     @property
@@ -286,7 +382,11 @@ class LeaseStore:
         now = db_now_ms()
         return and_(
             or_(
-                and_(runs.c.status.in_((QUEUED, RETRYING)), runs.c.available_at <= now),
+                and_(
+                    # Two equalities, not IN: an IN list is expanded on every execution.
+                    or_(runs.c.status == QUEUED, runs.c.status == RETRYING),
+                    runs.c.available_at <= now,
+                ),
                 and_(runs.c.status == RUNNING, runs.c.lease_expires_at <= now),
             ),
             runs.c.attempt < max_attempts,
@@ -368,6 +468,8 @@ class LeaseStore:
         }
         if conn is not None:
             row = conn.execute(self._claim_stmt, params).first()
+        elif self._claim_driver is not None:
+            row = self._claim_driver.execute(params)[1]
         else:
             with self._auto.connect() as auto:
                 row = auto.execute(self._claim_stmt, params).first()
@@ -675,9 +777,13 @@ class LeaseStore:
         returns quietly.
         """
         params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
-        with self._auto.connect() as conn:
-            if conn.execute(self._complete_stmt, params).rowcount == 1:
+        if self._complete_driver is not None:
+            if self._complete_driver.execute(params)[0] == 1:
                 return
+        else:
+            with self._auto.connect() as conn:
+                if conn.execute(self._complete_stmt, params).rowcount == 1:
+                    return
         row = self.get(run_id)
         if row and row.status == SUCCEEDED and row.lease_owner == owner and row.attempt == attempt:
             return

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,6 +53,63 @@ def pg_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
         with engine.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         engine.dispose()
+
+
+@contextlib.contextmanager
+def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
+    """Record ``(thread id, SQL)`` for every statement the database driver executes.
+
+    Recorded below SQLAlchemy, so statements celery-lease runs on the raw
+    DBAPI cursor count too. SQLite: the connection's trace callback (pooled
+    connections are dropped first so new ones get it; their connect-time
+    pragmas are not recorded). psycopg and PyMySQL: their cursor's ``execute``
+    is wrapped for the duration. Shared by the tests and ``benchmarks/sql.py``.
+    """
+    from sqlalchemy import event
+
+    engines = list(engines)
+    seen: list[tuple[int, str]] = []
+
+    def record(sql: Any) -> None:
+        seen.append((threading.get_ident(), str(sql)))
+
+    dialect = engines[0].dialect.name
+    restore: list[tuple[Any, str, Any]] = []
+    listeners: list[tuple[Any, Any]] = []
+    if dialect == "sqlite":
+
+        def on_connect(dbapi_connection: Any, record_: Any) -> None:
+            dbapi_connection.set_trace_callback(record)
+
+        for engine in engines:
+            event.listen(engine, "connect", on_connect)
+            listeners.append((engine, on_connect))
+            engine.dispose()
+    else:
+        if dialect == "postgresql":
+            import psycopg
+
+            cursor_class: Any = psycopg.Cursor
+        else:
+            import pymysql.cursors
+
+            cursor_class = pymysql.cursors.Cursor
+        original = cursor_class.execute
+
+        def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            record(query)
+            return original(self, query, *args, **kwargs)
+
+        restore.append((cursor_class, "execute", original))
+        cursor_class.execute = execute
+    try:
+        yield seen
+    finally:
+        for owner, name, value in restore:
+            setattr(owner, name, value)
+        for engine, listener in listeners:
+            event.remove(engine, "connect", listener)
+            engine.dispose()  # no connection keeps the trace callback
 
 
 class Worker:

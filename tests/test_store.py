@@ -319,3 +319,66 @@ def test_sweep_skips_a_row_locked_by_a_stalled_transaction(store: LeaseStore) ->
         stalled.rollback()
     assert moved == {"free"}
     assert {r.id for r, _ in store.sweep_expired()} == {"stuck"}
+
+
+def _kill_other_sessions(store: LeaseStore) -> int:
+    """Terminate every other server session on the store's database (its pooled connections)."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(store.engine.url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            if store.dialect == "postgresql":
+                killed = conn.execute(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                ).scalar()
+                return int(killed or 0)
+            ids = conn.execute(
+                text(
+                    "SELECT id FROM information_schema.processlist"
+                    " WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+                )
+            ).scalars()
+            count = 0
+            for session in ids:
+                conn.execute(text(f"KILL {int(session)}"))
+                count += 1
+            return count
+    finally:
+        admin.dispose()
+
+
+def test_hot_path_after_the_server_dropped_its_connections(store: LeaseStore) -> None:
+    """Claim and completion run on the raw driver: a dead connection fails one call as
+    SQLAlchemy's DBAPIError (marked invalidated), and the next call reconnects."""
+    from sqlalchemy.exc import DBAPIError
+
+    if store.dialect == "sqlite":
+        pytest.skip("an embedded database has no server to drop connections")
+    claim(store, "r1", "A", lease_ms=60_000)
+    assert store.get("r1") is not None  # every pool holds a connection now
+    assert _kill_other_sessions(store) >= 1
+    with pytest.raises(DBAPIError) as failed:
+        store.complete("r1", "A", 1)
+    assert failed.value.connection_invalidated
+    store.complete("r1", "A", 1)  # a fresh connection; the first call changed nothing
+    row = store.get("r1")
+    assert row is not None and row.status == "succeeded"
+    assert _kill_other_sessions(store) >= 1
+    with pytest.raises(DBAPIError):
+        claim(store, "r2", "A")
+    assert claim(store, "r2", "A").outcome == "claimed"
+
+
+def test_hot_path_errors_are_sqlalchemy_errors(store: LeaseStore) -> None:
+    """A driver error in the claim (here: an over-long run id) arrives as SQLAlchemy's error."""
+    from sqlalchemy.exc import DBAPIError
+
+    if store.dialect == "sqlite":
+        pytest.skip("SQLite does not enforce VARCHAR lengths")
+    with pytest.raises(DBAPIError):
+        claim(store, "x" * 300, "A")
+    assert claim(store, "r1", "A").outcome == "claimed"  # the connection is still usable
