@@ -205,17 +205,21 @@ def run(
     rows = []
     raw: dict[str, Any] = {}
     once_ratio = {s.broker: median(ratios[s]) for s in setups if s.mode == "once"}
+    once_e2e = {s.broker: median(e2e_ratios[s]) for s in setups if s.mode == "once"}
     for setup in setups:
         rate = median([x.rate for x in results[setup]])
         ratio = median(ratios[setup])
+        e2e = median(e2e_ratios[setup])
         verdict = ""
         if setup.mode == "leased":
             goal = targets[setup.lease_db]
-            peer = once_ratio.get(setup.broker)
-            ok = ratio >= goal and (peer is None or ratio >= peer)
-            verdict = f"{'met' if ok else 'missed'} (>= {goal}" + (
-                f", >= celery-once {peer:.2f})" if peer is not None else ")"
-            )
+            verdict = f"{'met' if ratio >= goal else 'missed'} (>= {goal})"
+            peer, peer_e2e = once_ratio.get(setup.broker), once_e2e.get(setup.broker)
+            if peer is not None and peer_e2e is not None:
+                verdict += (
+                    f"; vs celery-once: worker side {_versus(ratio, peer)}, "
+                    f"end to end {_versus(e2e, peer_e2e)}"
+                )
         broker = "filesystem://" if setup.broker == "filesystem" else "Redis"
         rows.append(
             [
@@ -225,7 +229,7 @@ def run(
                 f"{ratio:.2f}",
                 " / ".join(f"{x.rate:.0f}" for x in results[setup]),
                 median([x.enqueue_rate for x in results[setup]]),
-                f"{median(e2e_ratios[setup]):.2f}",
+                f"{e2e:.2f}",
                 f"{median([x.cpu_ms for x in results[setup]]):.2f}",
                 verdict,
             ]
@@ -233,7 +237,7 @@ def run(
         raw[f"{setup.broker}/{setup.label}"] = {
             "rate": rate,
             "ratio": ratio,
-            "end_to_end_ratio": median(e2e_ratios[setup]),
+            "end_to_end_ratio": e2e,
             "cpu_ms": median([x.cpu_ms for x in results[setup]]),
         }
     headers = [
@@ -248,3 +252,8 @@ def run(
         "target",
     ]
     return table(headers, rows), raw
+
+
+def _versus(ours: float, peer: float) -> str:
+    """``not behind (0.91 vs 0.88)`` or ``behind (...)``."""
+    return f"{'not behind' if ours >= peer else 'behind'} ({ours:.2f} vs {peer:.2f})"

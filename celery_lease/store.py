@@ -53,6 +53,9 @@ from .schema import (
 logger = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Execution option for single statements on SQLite: no ``BEGIN``, and no
+#: isolation-level switch (SQLAlchemy's costs a PRAGMA at check-out and check-in).
+SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
 
 ClaimOutcome = Literal["claimed", "busy", "finished"]
 LeaseKey = tuple[str, str, int]
@@ -154,8 +157,9 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.close()
 
     def on_begin(conn: Connection) -> None:
-        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
-            return
+        options = conn.get_execution_options()
+        if options.get(SQLITE_AUTOCOMMIT) or options.get("isolation_level") == "AUTOCOMMIT":
+            return  # no BEGIN: each statement commits by itself
         # IMMEDIATE takes the write lock up front, so a read-then-write
         # transaction can never fail to upgrade its lock half way through.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -163,6 +167,7 @@ def _configure_sqlite(engine: Engine) -> None:
     if not event.contains(engine, "connect", on_connect):
         event.listen(engine, "connect", on_connect)
         event.listen(engine, "begin", on_begin)
+        engine.dispose()  # connections made before the listeners would lack the settings
 
 
 class DriverStatement:
@@ -216,10 +221,10 @@ class DriverStatement:
         try:
             driver: Any = raw.dbapi_connection
             if self._sqlite and driver.isolation_level is not None:
-                # SQLAlchemy's reset of an AUTOCOMMIT check-out leaves pysqlite
-                # opening implicit transactions; this store's connections keep
-                # that off (see _configure_sqlite), or this write would be
-                # rolled back at check-in.
+                # pysqlite would open an implicit transaction that the check-in
+                # rolls back. This store's connections have that off (see
+                # _configure_sqlite); an isolation-level switch by other code
+                # on a shared engine turns it back on.
                 driver.isolation_level = None
             cursor = raw.cursor()
             cursor.execute(self.sql, args)
@@ -259,14 +264,19 @@ class LeaseStore:
         """Use ``engine`` for transactions and ``autocommit_engine`` for single statements.
 
         Without ``autocommit_engine``, single statements borrow ``engine``'s pool
-        in autocommit mode (each check-in then resets the isolation level).
+        in autocommit mode (each check-in then resets the isolation level). On
+        SQLite they borrow it as it is: pysqlite's own transaction handling is
+        off on this store's connections, so a statement outside ``BEGIN``
+        commits by itself, with no isolation-level switch.
         """
         self.engine = engine
         self.dialect = engine.dialect.name
+        self._own_auto = autocommit_engine
         if self.dialect == "sqlite":
             _configure_sqlite(engine)
-        self._own_auto = autocommit_engine
-        self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._auto = autocommit_engine or engine.execution_options(**{SQLITE_AUTOCOMMIT: True})
+        else:
+            self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
         self._upsert = self.dialect in ("sqlite", "postgresql")
         self._returning = self.dialect in ("sqlite", "postgresql")
         # The hot path's two statements are compiled once and run at the driver
@@ -294,7 +304,8 @@ class LeaseStore:
 
         On servers, single statements get an engine of their own whose
         connections stay in autocommit mode (no reset per check-out); SQLite
-        shares one pool, where that reset is an in-process pragma.
+        shares one pool, whose connections commit each statement outside
+        ``BEGIN`` by themselves.
         """
         engine = create_lease_engine(url, **engine_kwargs)
         if engine.dialect.name == "sqlite":

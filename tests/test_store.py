@@ -13,6 +13,8 @@ from celery_lease import LeaseLost, LeaseStore
 from celery_lease.schema import runs
 from celery_lease.store import RunNotFound
 
+from .helpers import driver_statements
+
 
 def claim(store: LeaseStore, run_id: str, owner: str, lease_ms: int = 2000, **kw: Any) -> Any:
     return store.claim(
@@ -117,19 +119,13 @@ def test_heartbeat_renews_many_in_one_statement(store: LeaseStore) -> None:
     for i in range(50):
         claim(store, f"r{i}", f"A{i}")
         keys.append((f"r{i}", f"A{i}", 1))
-    statements: list[str] = []
-    from sqlalchemy import event
-
-    def count(*args: Any) -> None:
-        statements.append(args[2])
-
-    for engine in store.engines:
-        event.listen(engine, "before_cursor_execute", count)
-    try:
+    # Counted at the driver: on SQLite that includes any PRAGMA or BEGIN
+    # SQLAlchemy would send around the statement.
+    with driver_statements(store.engines) as seen:
+        store.now_ms()  # SQLite: the recorder re-opens the connections; not counted
+        seen.clear()
         beat = store.heartbeat([*keys, ("nope", "X", 1)])
-    finally:
-        for engine in store.engines:
-            event.remove(engine, "before_cursor_execute", count)
+    statements = [sql for _, sql in seen]
     assert beat.renewed == set(keys)
     assert beat.lost == {("nope", "X", 1)}
     # MySQL has no UPDATE .. RETURNING: the renewed rows are read back in the
