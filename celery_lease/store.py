@@ -164,9 +164,17 @@ def _configure_sqlite(engine: Engine) -> None:
         # transaction can never fail to upgrade its lock half way through.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
+    def on_checkout(dbapi_connection: Any, record: ConnectionPoolEntry, proxy: Any) -> None:
+        # SQLAlchemy's reset after an AUTOCOMMIT check-out (by any user of this
+        # engine) turns pysqlite's implicit transactions back on; a statement
+        # run on the raw cursor would then be rolled back at check-in.
+        if dbapi_connection.isolation_level is not None:
+            dbapi_connection.isolation_level = None
+
     if not event.contains(engine, "connect", on_connect):
         event.listen(engine, "connect", on_connect)
         event.listen(engine, "begin", on_begin)
+        event.listen(engine.pool, "checkout", on_checkout)
         engine.dispose()  # connections made before the listeners would lack the settings
 
 
@@ -201,7 +209,6 @@ class DriverStatement:
         # Literal values compiled into binds ('running', 1, NULL), processed once.
         self._defaults = self._process(dict(compiled.params))
         self._dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
-        self._sqlite = dialect.name == "sqlite"
 
     def _process(self, params: dict[str, Any]) -> dict[str, Any]:
         for name, process in self._processors.items():
@@ -219,19 +226,16 @@ class DriverStatement:
             raise self._wrap(exc, args, invalidated=False) from exc
         cursor = None
         try:
-            driver: Any = raw.dbapi_connection
-            if self._sqlite and driver.isolation_level is not None:
-                # pysqlite would open an implicit transaction that the check-in
-                # rolls back. This store's connections have that off (see
-                # _configure_sqlite); an isolation-level switch by other code
-                # on a shared engine turns it back on.
-                driver.isolation_level = None
             cursor = raw.cursor()
             cursor.execute(self.sql, args)
             row = cursor.fetchone() if self.returns_row else None
             return int(cursor.rowcount), row
         except self._dbapi_error as exc:
-            dead = self.engine.dialect.is_disconnect(exc, driver, cursor)  # type: ignore[arg-type]
+            dead = self.engine.dialect.is_disconnect(
+                exc,  # type: ignore[arg-type]
+                raw.dbapi_connection,
+                cursor,
+            )
             if dead:
                 raw.invalidate(exc)
             raise self._wrap(exc, args, invalidated=dead) from exc
@@ -288,10 +292,9 @@ class LeaseStore:
         )
         self._complete_stmt = complete.values(**self._success_values(db_now_ms()))
         self._claim_stmt: Any = self._build_claim_upsert() if self._upsert else None
-        self._driver = self.dialect == "sqlite" or autocommit_engine is not None
         self._complete_driver: DriverStatement | None = None
         self._claim_driver: DriverStatement | None = None
-        if self._driver:
+        if self.dialect == "sqlite" or autocommit_engine is not None:
             self._complete_driver = DriverStatement(
                 self._auto, self._complete_stmt, returns_row=False
             )

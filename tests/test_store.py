@@ -378,3 +378,19 @@ def test_hot_path_errors_are_sqlalchemy_errors(store: LeaseStore) -> None:
     with pytest.raises(DBAPIError):
         claim(store, "x" * 300, "A")
     assert claim(store, "r1", "A").outcome == "claimed"  # the connection is still usable
+
+
+def test_sqlite_hot_path_commits_after_someone_switched_to_autocommit(sqlite_url: str) -> None:
+    """Another user of the engine switching a connection to AUTOCOMMIT (SQLAlchemy then resets
+    pysqlite to implicit transactions) does not make the claim or completion roll back."""
+    store = LeaseStore.from_url(sqlite_url)
+    store.create_schema()
+    with store.engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        conn.execute(select(runs.c.id)).all()
+    claim(store, "r1", "A")
+    store.complete("r1", "A", 1)
+    store.dispose()
+    fresh = LeaseStore.from_url(sqlite_url)
+    row = fresh.get("r1")
+    fresh.dispose()
+    assert row is not None and row.status == "succeeded"
