@@ -25,7 +25,7 @@ import celery
 import sqlalchemy
 from sqlalchemy import create_engine, text
 
-from tests.helpers import pg_database
+from tests.helpers import scratch_database
 
 from . import contention, sql, takeover, throughput
 from .common import REPO, check_loopback, pg_admin_url, redis_url
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, str] = {}
     began = time.monotonic()
     try:
-        with pg_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg_url:
+        with scratch_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg_url:
             print(f"throughput: {tasks} tasks x {rounds} round(s)", flush=True)
             sections["throughput"], _ = throughput.run(tasks, rounds, work, redis, pg_url)
             print(sections["throughput"], flush=True)

@@ -10,17 +10,14 @@ PostgreSQL and Redis come from ``CELERY_LEASE_TEST_PG_URL`` (an admin URL such a
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from celery_lease.store import LeaseStore
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
-from tests.helpers import Worker, pg_database, require
+from tests.helpers import Worker, require, scratch_database
 
 PG_ENV = "CELERY_LEASE_TEST_PG_URL"
 REDIS_ENV = "CELERY_LEASE_TEST_REDIS_URL"
@@ -35,7 +32,7 @@ def _pg_admin_url() -> str | None:
 def pg_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for this test, dropped afterwards."""
     admin = require(_pg_admin_url(), f"PostgreSQL ({PG_ENV})")
-    with pg_database(admin) as url:
+    with scratch_database(admin) as url:
         yield url
 
 
@@ -43,17 +40,8 @@ def pg_url() -> Iterator[str]:
 def mysql_url() -> Iterator[str]:
     """A fresh MySQL/MariaDB database for this test, dropped afterwards."""
     admin = require(os.environ.get(MYSQL_ENV), f"MySQL ({MYSQL_ENV})")
-    name = f"cl_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(admin, pool_pre_ping=True)
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE DATABASE `{name}`"))
-    url = make_url(admin).set(database=name).render_as_string(hide_password=False)
-    try:
+    with scratch_database(admin) as url:
         yield url
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
-        engine.dispose()
 
 
 @pytest.fixture

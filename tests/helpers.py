@@ -34,8 +34,8 @@ def wait_for(
 
 
 @contextlib.contextmanager
-def pg_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
-    """Create a fresh PostgreSQL database, yield its URL, drop it afterwards.
+def scratch_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
+    """Create a fresh PostgreSQL or MySQL/MariaDB database, yield its URL, drop it afterwards.
 
     Shared by the test fixtures and the benchmark scripts.
     """
@@ -44,14 +44,18 @@ def pg_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
 
     name = f"{prefix}{uuid.uuid4().hex[:12]}"
     engine = create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    if engine.dialect.name == "postgresql":
+        create, drop = f'CREATE DATABASE "{name}"', f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'
+    else:
+        create, drop = f"CREATE DATABASE `{name}`", f"DROP DATABASE IF EXISTS `{name}`"
     with engine.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(create))
     url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     try:
         yield url
     finally:
         with engine.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(drop))
         engine.dispose()
 
 
