@@ -6,12 +6,13 @@ heartbeat thread, and recorded with a statement guarded by owner and attempt.
 
 from .app import install, store_for
 from .config import LeaseConfig
-from .errors import LeaseBusy, LeaseError, LeaseLost, RunCancelled
+from .errors import InvalidLeaseKey, LeaseBusy, LeaseError, LeaseLost, RunCancelled, RunFailed
 from .lease import Lease, current_lease
 from .store import LeaseStore
 from .task import LeasedTask
 
 __all__ = [
+    "InvalidLeaseKey",
     "Lease",
     "LeaseBusy",
     "LeaseConfig",
@@ -20,6 +21,7 @@ __all__ = [
     "LeaseStore",
     "LeasedTask",
     "RunCancelled",
+    "RunFailed",
     "current_lease",
     "install",
     "store_for",

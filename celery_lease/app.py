@@ -137,14 +137,15 @@ def _on_worker_shutting_down(sender: Any = None, **kwargs: Any) -> None:
     for app in list(_installed_apps):
         config = LeaseConfig.from_app(app)
         try:
-            released = runtime_for(app, config).store.release_owned_by(f"{sender}:")
+            store = runtime_for(app, config).store
+            released = store.release_owned_by(f"{sender}:")
         except SQLAlchemyError as exc:
             logger.warning(
                 "celery-lease: could not hand back leases at shutdown: %s",
                 describe_exception(exc),
             )
             continue
-        requeue_all(app, released, SweepReport(), "handoff")
+        requeue_all(app, released, SweepReport(), "handoff", store)
 
 
 def _on_worker_process_shutdown(**kwargs: Any) -> None:

@@ -38,6 +38,7 @@ SETTING_NAMES = (
     "lease_lost_policy",
     "lease_interrupt",
     "lease_key",
+    "lease_namespace",
     "lease_concurrency_key",
     "lease_max_concurrency",
     "lease_sweep_interval",
@@ -63,6 +64,7 @@ class LeaseConfig:
     lost_policy: str = "retry"
     interrupt: bool = True
     key: KeyFunc | None = None
+    namespace: str | None = None
     concurrency_key: KeyFunc | None = None
     max_concurrency: int | None = None
     sweep_interval: float = 60.0
@@ -108,6 +110,7 @@ class LeaseConfig:
             lost_policy=_choice(conf, "lease_lost_policy", LOST_POLICIES),
             interrupt=_boolean(conf, "lease_interrupt", True),
             key=_callable(conf, "lease_key"),
+            namespace=_name(conf, "lease_namespace"),
             concurrency_key=_callable(conf, "lease_concurrency_key"),
             max_concurrency=max_concurrency,
             sweep_interval=_positive(conf, "lease_sweep_interval", 60.0),
@@ -146,6 +149,7 @@ class LeaseConfig:
             "lease_lost_policy": self.lost_policy,
             "lease_interrupt": self.interrupt,
             "lease_key": self.key,
+            "lease_namespace": self.namespace,
             "lease_concurrency_key": self.concurrency_key,
             "lease_max_concurrency": self.max_concurrency,
             "lease_sweep_interval": self.sweep_interval,
@@ -197,6 +201,17 @@ def _boolean(conf: Mapping[str, Any], key: str, default: bool) -> bool:
         return default
     if not isinstance(value, bool):
         raise ImproperlyConfigured(f"{key} must be True or False, got {value!r}")
+    return value
+
+
+def _name(conf: Mapping[str, Any], key: str) -> str | None:
+    value = conf.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 100:
+        raise ImproperlyConfigured(
+            f"{key} must be a non-empty string of <= 100 chars, got {value!r}"
+        )
     return value
 
 

@@ -72,3 +72,43 @@ class RunCancelled(LeaseError):
 
     def __reduce__(self) -> tuple[type[RunCancelled], tuple[str, str, int]]:
         return (type(self), (self.run_id, self.owner, self.attempt))
+
+
+class InvalidLeaseKey(LeaseError, ValueError):
+    """A task's ``lease_key`` returned something that cannot name a run.
+
+    Raised when the task is called (``delay``/``apply_async``) and again in the
+    worker: the key must be a non-empty ``str`` or an ``int``, never ``None``.
+    """
+
+    code = "invalid_lease_key"
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(f"{self.code}: {message}")
+
+    def __reduce__(self) -> tuple[type[InvalidLeaseKey], tuple[str]]:
+        return (type(self), (self.message,))
+
+
+class RunFailed(LeaseError):
+    """The run this delivery belongs to already ended ``failed``.
+
+    What a duplicate delivery (another task id, same run) reports as its own
+    failure, when Celery's stored exception of the run is not available.
+    Carries the run's ``failure_code`` and sanitized ``last_error``.
+    """
+
+    code = "run_failed"
+
+    def __init__(self, run_id: str, failure_code: str | None, last_error: str | None) -> None:
+        self.run_id = run_id
+        self.failure_code = failure_code
+        self.last_error = last_error
+        super().__init__(
+            f"{self.code}: run {run_id} failed ({failure_code or 'unknown'}): "
+            f"{last_error or 'no error recorded'}"
+        )
+
+    def __reduce__(self) -> tuple[type[RunFailed], tuple[str, str | None, str | None]]:
+        return (type(self), (self.run_id, self.failure_code, self.last_error))

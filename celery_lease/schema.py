@@ -58,6 +58,9 @@ runs = Table(
     Column("last_error", Text, nullable=True),
     Column("failure_code", String(64), nullable=True),
     Column("concurrency_key", String(255), nullable=True),
+    # The Celery task id of the delivery that claimed the run last: the id whose
+    # result the run's body records. Deliveries under other ids are duplicates.
+    Column("task_id", String(255), nullable=True),
     Column("payload", LargeBinary, nullable=True),
     Column("payload_content_type", String(64), nullable=True),
     Column("created_at", BigInteger, nullable=False),

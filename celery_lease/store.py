@@ -58,6 +58,9 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
 
 ClaimOutcome = Literal["claimed", "busy", "finished"]
+
+#: A terminal run keeps no stored message: task arguments are often personal data.
+_CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
 LeaseKey = tuple[str, str, int]
 
 
@@ -91,6 +94,8 @@ class ClaimResult:
     retry_in: float = 0.0
     lease_expires_at: int | None = None
     reason: str = ""
+    #: For ``finished``: the task id of the delivery that ran the run (None if unknown).
+    task_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +127,7 @@ class RunRecord:
     last_error: str | None
     failure_code: str | None
     concurrency_key: str | None
+    task_id: str | None
     payload: bytes | None
     payload_content_type: str | None
     created_at: int
@@ -357,6 +363,7 @@ class LeaseStore:
         max_concurrency: int | None = None,
         payload: bytes | None = None,
         payload_content_type: str | None = None,
+        task_id: str | None = None,
     ) -> ClaimResult:
         """Insert the run or take it over, atomically; ``attempt`` grows by one per claim.
 
@@ -365,7 +372,8 @@ class LeaseStore:
         Otherwise nothing changes and the result says why (busy or finished).
         With ``max_concurrency``, the claim also waits (busy, reason
         ``concurrency``) while that many live leases share ``concurrency_key``;
-        the count and the claim happen under one lock on the key.
+        the count and the claim happen under one lock on the key. ``task_id``
+        is the claiming delivery's Celery task id, recorded as the run's own.
         """
         values = {
             "id": run_id,
@@ -376,6 +384,7 @@ class LeaseStore:
             "attempt": 1,
             "max_attempts": max_attempts,
             "concurrency_key": concurrency_key,
+            "task_id": task_id,
             "payload": payload,
             "payload_content_type": payload_content_type,
         }
@@ -407,11 +416,17 @@ class LeaseStore:
             runs.c.cancel_requested_at.is_(None),
         )
 
-    def _takeover_values(self, owner: Any, lease_ms: Any, max_attempts: Any) -> dict[str, Any]:
+    def _takeover_values(
+        self, owner: Any, lease_ms: Any, max_attempts: Any, values: dict[str, Any]
+    ) -> dict[str, Any]:
         now = db_now_ms()
         return {
             "status": RUNNING,
             "lease_owner": owner,
+            # The claimer's delivery becomes the run's own: its id and message.
+            "task_id": values["task_id"],
+            "payload": values["payload"],
+            "payload_content_type": values["payload_content_type"],
             "lease_ms": lease_ms,
             "lease_expires_at": now + lease_ms,
             "heartbeat_at": now,
@@ -448,6 +463,7 @@ class LeaseStore:
             "attempt": 1,
             "max_attempts": max_attempts,
             "concurrency_key": bindparam("p_concurrency_key", type_=String),
+            "task_id": bindparam("p_task_id", type_=String),
             "payload": bindparam("p_payload", type_=LargeBinary),
             "payload_content_type": bindparam("p_payload_content_type", type_=String),
         }
@@ -456,7 +472,7 @@ class LeaseStore:
             .values(self._insert_values(values, lease_ms))
             .on_conflict_do_update(
                 index_elements=[runs.c.id],
-                set_=self._takeover_values(values["lease_owner"], lease_ms, max_attempts),
+                set_=self._takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
                 where=self._claimable(max_attempts),
             )
             .returning(runs.c.attempt, runs.c.lease_expires_at)
@@ -477,6 +493,7 @@ class LeaseStore:
             "p_lease_ms": lease_ms,
             "p_max_attempts": max_attempts,
             "p_concurrency_key": values["concurrency_key"],
+            "p_task_id": values["task_id"],
             "p_payload": values["payload"],
             "p_payload_content_type": values["payload_content_type"],
         }
@@ -602,7 +619,9 @@ class LeaseStore:
                             update(runs)
                             .where(runs.c.id == values["id"], self._claimable(max_attempts))
                             .values(
-                                self._takeover_values(values["lease_owner"], lease_ms, max_attempts)
+                                self._takeover_values(
+                                    values["lease_owner"], lease_ms, max_attempts, values
+                                )
                             )
                         ).rowcount
                         if changed != 1:
@@ -628,24 +647,27 @@ class LeaseStore:
                         runs.c.cancel_requested_at,
                         runs.c.lease_expires_at - now,
                         runs.c.available_at - now,
+                        runs.c.task_id,
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
                 return ClaimResult("busy", run_id, owner, 0, QUEUED, 0.0)
-            status, attempt, cancel_requested, lease_left, available_left = row
+            status, attempt, cancel_requested, lease_left, available_left, task_id = row
             if status in TERMINAL_STATUSES:
-                return ClaimResult("finished", run_id, owner, attempt, status)
+                return ClaimResult("finished", run_id, owner, attempt, status, task_id=task_id)
             wait_ms = lease_left if status == RUNNING else available_left
             claimable = wait_ms is None or wait_ms <= 0
             if claimable and cancel_requested is not None:
                 if self._end_unclaimable(run_id, status, attempt, CANCELLED, "cancelled", None):
-                    return ClaimResult("finished", run_id, owner, attempt, CANCELLED)
+                    return ClaimResult(
+                        "finished", run_id, owner, attempt, CANCELLED, task_id=task_id
+                    )
                 continue
             if claimable and attempt >= max_attempts:
                 code = "lease_expired" if status == RUNNING else "attempts_exhausted"
                 error = f"attempts exhausted: {attempt} of {max_attempts} used"
                 if self._end_unclaimable(run_id, status, attempt, FAILED, code, error):
-                    return ClaimResult("finished", run_id, owner, attempt, FAILED)
+                    return ClaimResult("finished", run_id, owner, attempt, FAILED, task_id=task_id)
                 continue
             if claimable:
                 # It became claimable between our two statements: try again soon.
@@ -683,6 +705,7 @@ class LeaseStore:
                 else runs.c.last_error,
                 finished_at=now,
                 updated_at=now,
+                **_CLEARED_MESSAGE,
             )
         )
         with self._auto.connect() as conn:
@@ -781,6 +804,7 @@ class LeaseStore:
             "updated_at": now,
             "last_error": None,
             "failure_code": None,
+            **_CLEARED_MESSAGE,
         }
 
     def complete(self, run_id: str, owner: str, attempt: int) -> None:
@@ -812,10 +836,13 @@ class LeaseStore:
         error: str,
         failure_code: str,
         retry_in: float | None,
+        message: tuple[bytes, str] | None = None,
     ) -> str:
         """Record a failed attempt: ``retrying`` after ``retry_in`` s, or ``failed`` when None.
 
-        Guarded like :meth:`complete`. Returns the new status.
+        Guarded like :meth:`complete`. Returns the new status. ``message``
+        (payload, content type) replaces the stored message of a retrying run,
+        e.g. with the retry Celery published; a failed run's message is cleared.
         """
         now = db_now_ms()
         status = FAILED if retry_in is None else RETRYING
@@ -827,9 +854,11 @@ class LeaseStore:
         }
         values["lease_expires_at"] = now
         if retry_in is None:
-            values["finished_at"] = now
+            values.update(finished_at=now, **_CLEARED_MESSAGE)
         else:
             values["available_at"] = now + round(retry_in * 1000)
+            if message is not None:
+                values.update(payload=message[0], payload_content_type=message[1])
         self._guarded_update(run_id, owner, attempt, "fail", **values)
         return status
 
@@ -847,6 +876,68 @@ class LeaseStore:
             updated_at=now,
         )
 
+    def end(
+        self,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        status: str,
+        failure_code: str,
+        error: str | None = None,
+    ) -> None:
+        """End a held run in the terminal ``status`` the body chose (Ignore, Reject, replace).
+
+        Guarded like :meth:`complete`; the stored message is cleared, so no sweep
+        ever publishes the run again.
+        """
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"end() takes a terminal status, not {status!r}")
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "end",
+            status=status,
+            failure_code=failure_code,
+            last_error=error,
+            lease_expires_at=now,
+            finished_at=now,
+            updated_at=now,
+            **_CLEARED_MESSAGE,
+        )
+
+    def refuse_message(
+        self, record: RunRecord, failure_code: str, error: str, *, status: str = FAILED
+    ) -> bool:
+        """End a waiting run whose stored message must not be published again.
+
+        ``failed`` (or ``cancelled`` for an expired message). Guarded on the status
+        and attempt the sweeper read, so a run claimed meanwhile is left alone.
+        True when this call ended it.
+        """
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == record.id,
+                runs.c.attempt == record.attempt,
+                or_(runs.c.status == QUEUED, runs.c.status == RETRYING),
+            )
+            .values(
+                status=status,
+                failure_code=failure_code,
+                last_error=error,
+                lease_expires_at=now,
+                finished_at=now,
+                updated_at=now,
+                **_CLEARED_MESSAGE,
+            )
+        )
+        with self._auto.connect() as conn:
+            return conn.execute(stmt).rowcount == 1
+
     def mark_cancelled(self, run_id: str, owner: str, attempt: int) -> None:
         """End a held run as ``cancelled`` after its worker honoured a cancel request."""
         now = db_now_ms()
@@ -860,6 +951,7 @@ class LeaseStore:
             lease_expires_at=now,
             finished_at=now,
             updated_at=now,
+            **_CLEARED_MESSAGE,
         )
 
     # -- recovery -------------------------------------------------------------
@@ -899,10 +991,11 @@ class LeaseStore:
         values: dict[str, Any] = {"updated_at": now, "lease_expires_at": now}
         if record.cancel_requested_at is not None:
             status = CANCELLED
-            values.update(failure_code="cancelled", finished_at=now)
+            values.update(failure_code="cancelled", finished_at=now, **_CLEARED_MESSAGE)
         elif record.attempt >= record.max_attempts:
             status = FAILED
             values.update(
+                _CLEARED_MESSAGE,
                 failure_code="lease_expired",
                 last_error=f"lease expired on attempt {record.attempt} of {record.max_attempts}"
                 " (worker lost or stalled)",
@@ -947,6 +1040,8 @@ class LeaseStore:
                         runs.c.status.in_((QUEUED, RETRYING)),
                         runs.c.available_at <= now - round(older_than * 1000),
                         runs.c.cancel_requested_at.is_(None),
+                        # No message: a direct call or eager apply(); never sent to workers.
+                        runs.c.payload.is_not(None),
                     )
                     .order_by(runs.c.available_at)
                     .limit(limit)
@@ -1032,6 +1127,7 @@ class LeaseStore:
                 cancel_requested_at=now,
                 finished_at=now,
                 updated_at=now,
+                **_CLEARED_MESSAGE,
             )
         )
         request = (

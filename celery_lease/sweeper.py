@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import Celery
-from kombu.serialization import loads
+from kombu.serialization import loads, prepare_accept_content
 
 from .config import LeaseConfig
+from .errors import LeaseError
 from .events import emit
 from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED
@@ -35,34 +37,135 @@ class SweepReport:
         return dataclasses.asdict(self)
 
 
+class MessageNotAccepted(LeaseError):
+    """A stored message is in a format the app's ``accept_content`` does not allow.
+
+    It is never deserialized: a table row must not run code.
+    """
+
+    code = "payload_not_accepted"
+
+
+#: Options a re-publish drops: the run is due now, whatever the stored message said.
+_DELAY_OPTIONS = ("countdown", "eta")
+
+
+def decode_message(app: Celery, payload: bytes, content_type: str) -> dict[str, Any]:
+    """Decode a stored message, only with a serializer in the app's ``accept_content``.
+
+    Raises:
+        MessageNotAccepted: the content type is not accepted; nothing was decoded.
+    """
+    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+    if content_type not in accept:
+        raise MessageNotAccepted(
+            f"payload_not_accepted: stored message is {content_type!r}, "
+            f"accept_content allows {sorted(accept)}"
+        )
+    body: Any = loads(payload, content_type, "utf-8", accept=accept)  # type: ignore[no-untyped-call]
+    if not isinstance(body, dict):
+        raise MessageNotAccepted("payload_not_accepted: stored message is not a mapping")
+    return body
+
+
 def requeue(app: Celery, record: RunRecord) -> None:
-    """Publish the run again from its stored arguments, under its run id as task id."""
+    """Publish the run's stored delivery again: the message Celery itself would send.
+
+    The stored message is what ``Task.signature_from_request`` keeps of the
+    delivery that claimed the run: its task id (the one the caller holds), chain,
+    chord, group, links, parent and root ids, headers, retries, routing, expiry
+    and time limits.
+    """
     if record.payload is None or record.payload_content_type is None:
-        raise ValueError(f"run {record.id} has no stored arguments to re-enqueue from")
-    body: dict[str, Any] = loads(  # type: ignore[no-untyped-call]
-        record.payload, record.payload_content_type, "utf-8", accept={record.payload_content_type}
-    )
-    options = dict(body.get("options") or {})
-    exchange = options.pop("exchange", None)
-    routing_key = options.pop("routing_key", None)
-    if exchange:
-        options.update(exchange=exchange, routing_key=routing_key)
-    elif routing_key:
-        options["queue"] = routing_key
-    app.send_task(
-        record.task_name,
-        args=body.get("args") or [],
-        kwargs=body.get("kwargs") or {},
-        task_id=record.id,
-        **options,
-    )
+        raise ValueError(f"run {record.id} has no stored message to publish again")
+    body = decode_message(app, record.payload, record.payload_content_type)
+    options = {
+        key: value
+        for key, value in dict(body.get("options") or {}).items()
+        if key not in _DELAY_OPTIONS
+    }
+    args = list(body.get("args") or ())
+    kwargs = dict(body.get("kwargs") or {})
+    options.setdefault("task_id", record.task_id or record.id)
+    task = app.tasks.get(record.task_name)
+    if task is not None:
+        task.apply_async(args, kwargs, **options)
+    else:
+        app.send_task(record.task_name, args=args, kwargs=kwargs, **options)
 
 
-def requeue_all(app: Celery, records: list[RunRecord], report: SweepReport, action: str) -> None:
-    """Re-enqueue each record, noting successes and failures in ``report``."""
+def message_expired(app: Celery, record: RunRecord) -> bool:
+    """True when the stored message carries an ``expires`` that has passed (worker clock).
+
+    Celery itself revokes an expired message on arrival; publishing it again
+    would only have it revoked again.
+    """
+    if record.payload is None or record.payload_content_type is None:
+        return False
+    try:
+        expires = decode_message(app, record.payload, record.payload_content_type)
+    except Exception:
+        return False
+    value = dict(expires.get("options") or {}).get("expires")
+    if value is None:
+        return False
+    if isinstance(value, (int, float)):
+        return False  # a relative expiry was already turned into a date when sent
+    when = value if isinstance(value, datetime) else _parse_time(str(value))
+    if when is None:
+        return False
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when <= datetime.now(timezone.utc)
+
+
+def _parse_time(text: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def requeue_all(
+    app: Celery,
+    records: list[RunRecord],
+    report: SweepReport,
+    action: str,
+    store: LeaseStore | None = None,
+) -> None:
+    """Re-enqueue each record, noting successes and failures in ``report``.
+
+    A record whose stored message is not accepted is ended ``failed``
+    (``payload_not_accepted``) through ``store``, and never decoded. A record
+    with no stored message (a direct call or eager ``apply()``) is left for a
+    real delivery to claim.
+    """
     for record in records:
+        if record.payload is None:
+            continue
         try:
+            if store is not None and message_expired(app, record):
+                if store.refuse_message(
+                    record, "expired", "the message expired (expires)", status=CANCELLED
+                ):
+                    report.cancelled.append(record.id)
+                    emit("swept", record.id, "run %s: message expired", record.id, action="expired")
+                continue
             requeue(app, record)
+        except MessageNotAccepted as exc:
+            report.failed.append(record.id)
+            emit(
+                "sweep_error",
+                record.id,
+                "run %s: %s",
+                record.id,
+                exc,
+                level=logging.ERROR,
+                failure_code=exc.code,
+            )
+            if store is not None:
+                store.refuse_message(record, exc.code, str(exc))
+            continue
         except Exception as exc:
             report.errors.append(record.id)
             emit(
@@ -113,10 +216,10 @@ def sweep(
             emit("swept", record.id, "run %s: cancelled", record.id, action="cancelled")
         else:
             to_requeue.append(record)
-    requeue_all(app, to_requeue, report, "expired")
+    requeue_all(app, to_requeue, report, "expired", store)
     if stale_after is None:
         stale_after = config.sweep_interval + config.lease_seconds
-    requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded")
+    requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
     return report
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
@@ -9,25 +10,62 @@ import random
 import socket
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, NoReturn
 
-from celery import Celery, Task
+from celery import Celery, Task, states
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps
 from sqlalchemy.exc import SQLAlchemyError
 
 from .app import Runtime, install, runtime_for
 from .config import SETTING_NAMES, LeaseConfig
-from .errors import LeaseBusy, LeaseError, LeaseLost, RunCancelled
+from .errors import InvalidLeaseKey, LeaseBusy, LeaseError, LeaseLost, RunCancelled, RunFailed
 from .events import emit
 from .lease import Lease, LeaseInterrupt, _current, current_lease
 from .sanitize import describe_exception
+from .schema import CANCELLED, FAILED, SUCCEEDED
 from .store import ClaimResult
 
 logger = logging.getLogger(__name__)
 
 #: How long a completion may keep retrying a database error, at most.
 COMPLETE_RETRY_SECONDS = 5.0
+
+#: The longest run id the ``id`` column holds; longer ids are hashed (see run_id_for).
+MAX_RUN_ID_LENGTH = 255
+
+#: How many times a duplicate of a finished run waits for that run's result to be
+#: stored by Celery before it gives up and reports ``None``.
+RESULT_WAIT_TRIES = 8
+
+
+def scoped_run_id(namespace: str, key: Any) -> str:
+    """The run id of ``key`` in ``namespace``: ``namespace:key``, hashed when too long.
+
+    Raises:
+        InvalidLeaseKey: ``key`` is None, a bool, not a str or int, or empty.
+    """
+    if key is None or isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise InvalidLeaseKey(
+            f"lease_key must return a str or an int, got {type(key).__name__} {key!r}"
+        )
+    if key == "":
+        raise InvalidLeaseKey("lease_key returned an empty string")
+    return fit_run_id(f"{namespace}:{key}")
+
+
+def fit_run_id(run_id: str) -> str:
+    """``run_id`` itself, or ``prefix:sha256:<hex>`` when it is longer than the column."""
+    if len(run_id) <= MAX_RUN_ID_LENGTH:
+        return run_id
+    digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()
+    return f"{run_id[:100]}:sha256:{digest}"
+
+
+class _Replaced(Ignore):  # type: ignore[misc]
+    """``self.replace()`` handed the run's continuation to the replacement."""
 
 
 def new_owner(hostname: str | None = None) -> str:
@@ -92,13 +130,113 @@ class LeasedTask(Task):  # type: ignore[misc]
         """The lease this task holds right now (inside the body)."""
         return current_lease()
 
+    def lease_run_id(self, *args: Any, **kwargs: Any) -> str:
+        """The run id a keyed task uses for these arguments (``namespace:key``).
+
+        Raises:
+            InvalidLeaseKey: the task has no ``lease_key``, or it returned a bad key.
+        """
+        config = self.lease_config()
+        if config.key is None:
+            raise InvalidLeaseKey(f"{self.name} has no lease_key: its run id is the task id")
+        return scoped_run_id(config.namespace or self.name, config.key(*args, **kwargs))
+
     def run_id_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The run id: ``lease_key(*args, **kwargs)`` if set, else the task id."""
-        key = self.lease_config().key
-        if key is not None:
-            return str(key(*args, **kwargs))
-        task_id = self.request.id
-        return str(task_id) if task_id else uuid.uuid4().hex
+        """The run id of this delivery.
+
+        ``namespace:lease_key(*args, **kwargs)`` when the task sets a key (the
+        namespace is the task name unless ``lease_namespace`` names a shared
+        one), else the task id. A replacement made by ``self.replace()`` inherits
+        the task id but is a new run: its id gains ``~replaced-N``.
+        """
+        if self.lease_config().key is not None:
+            run_id = self.lease_run_id(*args, **kwargs)
+        else:
+            task_id = self.request.id
+            run_id = str(task_id) if task_id else uuid.uuid4().hex
+        nesting = getattr(self.request, "replaced_task_nesting", 0) or 0
+        if nesting:
+            run_id = f"{run_id}~replaced-{nesting}"
+        return fit_run_id(run_id)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; a bad ``lease_key`` value is refused here, at call time.
+
+        Raises:
+            InvalidLeaseKey: the key function returned None, a non-str/int or "".
+        """
+        config = self.lease_config()
+        if config.key is not None and args is not None:
+            try:
+                key = config.key(*(args or ()), **(kwargs or {}))
+            except TypeError:
+                key = ""  # partial arguments (a chain step): checked in the worker
+            else:
+                scoped_run_id(config.namespace or self.name, key)
+        return super().apply_async(
+            args,
+            kwargs,
+            task_id=task_id,
+            producer=producer,
+            link=link,
+            link_error=link_error,
+            shadow=shadow,
+            **options,
+        )
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``retry``, with the lease's attempts as a second bound.
+
+        When this claim was the run's last attempt (``lease_max_attempts``), it
+        behaves as Celery does when ``max_retries`` is exceeded: ``exc`` (or
+        ``MaxRetriesExceededError``) is raised, so the run ends ``failed`` and
+        Celery's state ``FAILURE`` with the real error.
+        """
+        lease = _current.get()
+        if lease is not None and lease.attempt >= self.lease_config().max_attempts:
+            if exc is not None:
+                raise_with_context(exc)
+            raise self.MaxRetriesExceededError(
+                f"Can't retry {self.name}[{self.request.id}]: lease attempts spent "
+                f"({lease.attempt} of {self.lease_config().max_attempts})"
+            )
+        return super().retry(
+            args,
+            kwargs,
+            exc=exc,
+            throw=throw,
+            eta=eta,
+            countdown=countdown,
+            max_retries=max_retries,
+            **options,
+        )
+
+    def on_replace(self, sig: Any) -> Any:
+        """Publish the replacement, then end this run: the replacement owns the rest."""
+        if self.request.is_eager or _current.get() is None:
+            return super().on_replace(sig)
+        sig.delay()
+        raise _Replaced("Replaced by new task")
 
     # -- the call ---------------------------------------------------------------
 
@@ -126,6 +264,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 max_attempts=config.max_attempts,
                 concurrency_key=self._concurrency_key(config, args, kwargs),
                 max_concurrency=config.max_concurrency,
+                task_id=self.request.id,
                 **self._payload(args, kwargs),
             )
         except SQLAlchemyError as exc:
@@ -144,7 +283,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         if claim.outcome == "finished":
             if self.request.called_directly:
                 return None  # a plain call of a finished run: nothing to do
-            self._drop_finished(claim)
+            return self._on_finished(config, runtime, claim)
         if claim.outcome == "busy":
             self._on_busy(config, claim)
         emit(
@@ -178,18 +317,40 @@ class LeasedTask(Task):  # type: ignore[misc]
         token = _current.set(lease)
         try:
             try:
-                result = lease.run_interruptible(self.run, *args, **kwargs)
-            except LeaseInterrupt:
-                error = lease.error()
-                if error is None:  # cannot happen: interrupts follow a recorded cause
-                    error = LeaseLost(lease.run_id, lease.owner, lease.attempt, "interrupted")
-                raise error from None
-        except Retry:
-            # The body asked Celery to retry: hand the run back so that retry can claim it.
-            self._release_quietly(runtime, lease)
+                try:
+                    result = lease.run_interruptible(self.run, *args, **kwargs)
+                except LeaseInterrupt:
+                    error = lease.error()
+                    if error is None:  # cannot happen: interrupts follow a recorded cause
+                        error = LeaseLost(lease.run_id, lease.owner, lease.attempt, "interrupted")
+                    raise error from None
+            except BaseException:
+                if self._completed_by_body(runtime, lease):
+                    # fence(complete=True) committed: the run succeeded, whatever came after.
+                    emit(
+                        "completed",
+                        lease.run_id,
+                        "run %s: succeeded (recorded by the body; it raised afterwards)",
+                        lease.run_id,
+                        attempt=lease.attempt,
+                    )
+                    return None
+                raise
+        except Retry as exc:
+            self._on_retry(config, runtime, lease, exc)
             raise
-        except (Ignore, Reject):
-            self._release_quietly(runtime, lease)
+        except _Replaced:
+            self._end_quietly(runtime, lease, SUCCEEDED, "replaced")
+            raise
+        except Reject as exc:
+            if exc.requeue:
+                # The broker delivers it again: that delivery claims the run.
+                self._release_quietly(runtime, lease)
+            else:
+                self._end_quietly(runtime, lease, FAILED, "rejected", exc)
+            raise
+        except Ignore as exc:
+            self._end_quietly(runtime, lease, CANCELLED, "ignored", exc)
             raise
         except LeaseLost as exc:
             self._on_lost(config, lease, exc)
@@ -230,6 +391,21 @@ class LeasedTask(Task):  # type: ignore[misc]
                     self._on_lost(config, lease, lost)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _completed_by_body(self, runtime: Runtime, lease: Lease) -> bool:
+        """True when this owner's ``fence(complete=True)`` committed the run's success."""
+        if not lease.completed_pending:
+            return False
+        try:
+            row = runtime.store.get(lease.run_id)
+        except SQLAlchemyError:
+            return False
+        return (
+            row is not None
+            and row.status == SUCCEEDED
+            and row.lease_owner == lease.owner
+            and row.attempt == lease.attempt
+        )
 
     def _on_lost(self, config: LeaseConfig, lease: Lease, exc: LeaseLost) -> NoReturn:
         # The heartbeat logs the loss it detects; here only what this call
@@ -282,18 +458,87 @@ class LeasedTask(Task):  # type: ignore[misc]
             raise Ignore()
         self._reschedule(delay, busy)
 
-    def _drop_finished(self, claim: ClaimResult) -> NoReturn:
+    def _on_finished(self, config: LeaseConfig, runtime: Runtime, claim: ClaimResult) -> Any:
+        """A delivery of a run that already ended: the body does not run again.
+
+        Under the run's own task id nothing is written (Celery already has the
+        outcome), except a ``FAILURE`` a dangling ``RETRY`` still hides. Under
+        another task id (a keyed duplicate, a group or chain member) the caller
+        gets the run's outcome as this task's own: its result, its failure, or
+        ``REVOKED``, and its continuation proceeds with it.
+        """
+        own_id = self.request.id
+        same = claim.task_id is None or own_id is None or own_id == claim.task_id
         emit(
             "duplicate_dropped",
             claim.run_id,
-            "run %s is already %s: delivery dropped",
+            "run %s is already %s: delivery dropped%s",
             claim.run_id,
             claim.status,
+            "" if same else f" (its outcome is reported under {own_id})",
             status=claim.status,
         )
-        if claim.status == "cancelled":
+        if claim.status == CANCELLED:
             self._mark_revoked(claim.run_id)
-        raise Ignore()
+            raise Ignore()
+        if claim.status == SUCCEEDED:
+            if same:
+                raise Ignore()
+            return self._result_of(config, claim)
+        if same and self._celery_state(own_id) == states.FAILURE:
+            raise Ignore()
+        raise self._failure_of(runtime, claim)
+
+    def _result_of(self, config: LeaseConfig, claim: ClaimResult) -> Any:
+        """The stored result of the run's own task id; waits (re-published) until Celery has it."""
+        meta = self._celery_meta(claim.task_id)
+        if meta is not None and meta.get("status") == states.SUCCESS:
+            return meta.get("result")
+        if meta is not None and self.request.retries < RESULT_WAIT_TRIES:
+            # Succeeded in the lease table, not yet stored by Celery (or fenced
+            # inside a body that is still running): ask again shortly.
+            self._reschedule(busy_delay(config, 0.2, self.request.retries), Ignore())
+        logger.warning(
+            "celery-lease: run %s succeeded but its result (task %s) is not in the result "
+            "backend: reporting None",
+            claim.run_id,
+            claim.task_id,
+        )
+        return None
+
+    def _failure_of(self, runtime: Runtime, claim: ClaimResult) -> BaseException:
+        """The exception a failed run ended with: Celery's stored one, else :class:`RunFailed`."""
+        meta = self._celery_meta(claim.task_id) if claim.task_id else None
+        if meta is not None and meta.get("status") == states.FAILURE:
+            try:
+                error = self.backend.exception_to_python(meta.get("result"))
+            except Exception:
+                error = None
+            if isinstance(error, BaseException):
+                return error
+        try:
+            row = runtime.store.get(claim.run_id)
+        except SQLAlchemyError:
+            row = None
+        return RunFailed(
+            claim.run_id,
+            row.failure_code if row is not None else None,
+            row.last_error if row is not None else None,
+        )
+
+    def _celery_meta(self, task_id: str | None) -> dict[str, Any] | None:
+        """Celery's stored state of ``task_id``, or None without a readable result backend."""
+        if not task_id or self.ignore_result:
+            return None
+        try:
+            meta: dict[str, Any] = self.backend.get_task_meta(task_id)
+        except Exception:  # no result backend (DisabledBackend), or it is down
+            return None
+        return meta
+
+    def _celery_state(self, task_id: str | None) -> str | None:
+        meta = self._celery_meta(task_id)
+        return None if meta is None else str(meta.get("status"))
 
     def _on_cancelled(self, config: LeaseConfig, runtime: Runtime, lease: Lease) -> NoReturn:
         try:
@@ -303,6 +548,55 @@ class LeasedTask(Task):  # type: ignore[misc]
         emit("cancelled", lease.run_id, "run %s: cancelled", lease.run_id, attempt=lease.attempt)
         self._mark_revoked(lease.run_id)
         raise Ignore()
+
+    def _on_retry(self, config: LeaseConfig, runtime: Runtime, lease: Lease, exc: Retry) -> None:
+        """The body called ``self.retry()``: the run waits until the retry's ETA.
+
+        Celery has already published the retry; the row records it (``retrying``,
+        ``available_at`` = its ETA, the retry as the stored message), so no sweep
+        sends the run before then.
+        """
+        delay = 0.0 if self.request.is_eager else _seconds_until(exc.when)
+        cause = exc.exc if isinstance(exc.exc, BaseException) else None
+        message = None
+        if exc.sig is not None and not self._direct():
+            message = self._encode(dict(exc.sig))
+        try:
+            runtime.store.fail(
+                lease.run_id,
+                lease.owner,
+                lease.attempt,
+                error=describe_exception(cause) if cause is not None else "retry requested",
+                failure_code=(
+                    f"exception:{type(cause).__name__}"[:64] if cause is not None else "retry"
+                ),
+                retry_in=delay,
+                message=message,
+            )
+        except LeaseLost as lost:
+            # Whoever holds the run now owns its state; the retry already sent
+            # claims it (or is dropped) like any other delivery.
+            lease.mark_lost(lost.reason)
+            emit("lost", lease.run_id, "%s", lost, level=logging.WARNING, attempt=lease.attempt)
+            raise Ignore() from lost
+        except SQLAlchemyError as db_exc:
+            emit(
+                "fail_error",
+                lease.run_id,
+                "run %s: could not record the retry: %s",
+                lease.run_id,
+                describe_exception(db_exc),
+                level=logging.WARNING,
+            )
+        emit(
+            "retrying",
+            lease.run_id,
+            "run %s attempt %d: retry requested, due in %.1fs",
+            lease.run_id,
+            lease.attempt,
+            delay,
+            attempt=lease.attempt,
+        )
 
     def _on_failure(
         self, config: LeaseConfig, runtime: Runtime, lease: Lease, exc: Exception
@@ -345,12 +639,16 @@ class LeasedTask(Task):  # type: ignore[misc]
             level=logging.WARNING,
             attempt=lease.attempt,
         )
-        if retry_in is None or self.request.called_directly or self.request.is_eager:
+        if retry_in is None or self._direct():
             raise exc
         self._publish_again(retry_in)
         raise Retry(exc=exc, when=retry_in)
 
     # -- helpers --------------------------------------------------------------
+
+    def _direct(self) -> bool:
+        """True for a plain function call or an eager ``apply()``: no worker delivery."""
+        return bool(self.request.called_directly or self.request.is_eager)
 
     def _reschedule(self, countdown: float, cause: BaseException) -> NoReturn:
         """Publish this delivery again after ``countdown`` s and drop this one silently.
@@ -358,7 +656,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         Dropping with ``Ignore`` writes nothing to the result backend, which a
         duplicate shares with the run it duplicates.
         """
-        if self.request.called_directly or self.request.is_eager:
+        if self._direct():
             raise cause
         try:
             self._publish_again(countdown)
@@ -387,6 +685,43 @@ class LeasedTask(Task):  # type: ignore[misc]
         except (LeaseError, SQLAlchemyError) as exc:
             logger.info("celery-lease: release of %s skipped: %s", lease.run_id, exc)
 
+    def _end_quietly(
+        self,
+        runtime: Runtime,
+        lease: Lease,
+        status: str,
+        failure_code: str,
+        cause: BaseException | None = None,
+    ) -> None:
+        """End the run as the body chose (Ignore, Reject, replace); a lost lease is logged."""
+        try:
+            runtime.store.end(
+                lease.run_id,
+                lease.owner,
+                lease.attempt,
+                status=status,
+                failure_code=failure_code,
+                error=describe_exception(cause) if cause is not None else None,
+            )
+        except (LeaseError, SQLAlchemyError) as exc:
+            logger.warning(
+                "celery-lease: could not end run %s as %s: %s",
+                lease.run_id,
+                failure_code,
+                describe_exception(exc),
+            )
+            return
+        emit(
+            "ended",
+            lease.run_id,
+            "run %s: %s (%s)",
+            lease.run_id,
+            status,
+            failure_code,
+            attempt=lease.attempt,
+            status=status,
+        )
+
     def _mark_revoked(self, run_id: str) -> None:
         task_id = self.request.id
         if not task_id or self.request.called_directly or self.ignore_result:
@@ -407,17 +742,43 @@ class LeasedTask(Task):  # type: ignore[misc]
         return None
 
     def _payload(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The arguments serialized with the task's serializer, for re-enqueueing."""
+        """The delivery's message as Celery would re-send it, for the sweeper.
+
+        What ``signature_from_request`` keeps: task id, chain, chord, group,
+        links, parent/root ids, headers, retries, routing, expiry, time limits.
+        A plain call or an eager ``apply()`` stores none: no sweep may send it
+        to workers.
+        """
+        if self._direct():
+            return {"payload": None, "payload_content_type": None}
         request = self.request
-        options = {
-            key: value
-            for key, value in (request.delivery_info or {}).items()
-            if key in ("exchange", "routing_key", "priority") and value is not None
-        }
-        body = {"args": list(args), "kwargs": kwargs, "options": options}
+        signature = self.signature_from_request(request, args, kwargs)
+        data, content_type = self._encode(dict(signature))
+        return {"payload": data, "payload_content_type": content_type}
+
+    def _encode(self, message: dict[str, Any]) -> tuple[bytes, str]:
+        """``message`` serialized with the task's serializer: ``(bytes, content type)``."""
         content_type, _encoding, data = dumps(  # type: ignore[no-untyped-call]
-            body, serializer=self.serializer or "json"
+            message, serializer=self.serializer or "json"
         )
         if isinstance(data, str):
             data = data.encode("utf-8")
-        return {"payload": data, "payload_content_type": content_type}
+        return data, content_type
+
+
+def _seconds_until(when: Any) -> float:
+    """Seconds from now until a Retry's ``when``: a countdown in seconds, or an ETA."""
+    if when is None:
+        return 0.0
+    if isinstance(when, (int, float)):
+        return max(0.0, float(when))
+    if isinstance(when, str):
+        try:
+            when = datetime.fromisoformat(when)
+        except ValueError:
+            return 0.0
+    if isinstance(when, datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        return max(0.0, float((when - datetime.now(timezone.utc)).total_seconds()))
+    return 0.0

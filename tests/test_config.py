@@ -28,6 +28,8 @@ INVALID: list[tuple[str, Any]] = [
     ("lease_lost_policy", "ignore"),
     ("lease_interrupt", "yes"),
     ("lease_key", "order_id"),
+    ("lease_namespace", ""),
+    ("lease_namespace", 7),
     ("lease_concurrency_key", 3),
     ("lease_max_concurrency", 0),
     ("lease_sweep_interval", -5),
@@ -78,7 +80,7 @@ def test_task_options_override_app_settings(tmp_path: Any) -> None:
 
     config = charge.lease_config()
     assert config.lease_seconds == 6 and config.heartbeat_interval == 2
-    assert charge.run_id_for((7,), {}) == "o-7"
+    assert charge.run_id_for((7,), {}) == "tests.test_config.charge:o-7"
     assert LeaseConfig.from_app(app).lease_seconds == 60
 
 

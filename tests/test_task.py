@@ -68,8 +68,8 @@ def test_direct_call_runs_under_a_lease(app: Celery) -> None:
     def direct(self: LeasedTask, x: int) -> str:
         return self.lease.run_id
 
-    assert direct(4) == "k-4"
-    row = store_for(app).get("k-4")
+    assert direct(4) == "inproc.direct:k-4"
+    row = store_for(app).get("inproc.direct:k-4")
     assert row is not None and row.status == "succeeded"
     assert direct(4) is None  # a finished run does not run again
 

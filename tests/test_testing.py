@@ -81,7 +81,7 @@ def test_steal_lease_drives_the_lease_lost_path(app: Celery) -> None:
     with pytest.raises(LeaseLost) as caught:
         charge.delay(7)
     assert str(caught.value).startswith("automation_run_lease_lost")
-    record = testing.run_record(store, "charge-7")
+    record = testing.run_record(store, "usersuite.charge:charge-7")
     assert record.status == "running" and record.attempt == 2
     assert record.lease_owner == thieves[0]
 
@@ -128,7 +128,7 @@ def test_hold_lease_makes_a_delivery_busy(app: Celery) -> None:
         ran.append(n)
         return n
 
-    testing.hold_lease(store, "once-1", task_name="usersuite.once", lease_seconds=60)
+    testing.hold_lease(store, "usersuite.once:once-1", task_name="usersuite.once", lease_seconds=60)
     with pytest.raises(LeaseBusy):
         once.delay(1)
     assert ran == []
