@@ -57,9 +57,13 @@ class Cluster:
         conf: dict[str, Any] | None = None,
         pool: str = "prefork",
         concurrency: int = 2,
+        queues: list[str] | None = None,
         **env: str,
     ) -> Worker:
-        """Start a worker on this cluster and wait until it is ready."""
+        """Start a worker on this cluster and wait until it is ready.
+
+        ``queues`` limits what it consumes (``-Q``); by default the cluster's queue.
+        """
         if conf:
             env["CL_CONF"] = json.dumps(conf)
         worker = Worker(
@@ -68,6 +72,7 @@ class Cluster:
             name=name,
             pool=pool,
             concurrency=concurrency,
+            extra_args=("-Q", ",".join(queues)) if queues else (),
         )
         self._workers.append(worker)
         return worker.wait_ready()
@@ -85,7 +90,8 @@ class Cluster:
         return beat
 
     def send(self, task: str, *args: Any, task_id: str | None = None) -> str:
-        """Publish ``task`` by name; returns its task id."""
+        """Publish ``task`` by name (``workerapp.`` may be left out); returns its task id."""
+        task = task if "." in task else f"workerapp.{task}"
         task_id = task_id or uuid.uuid4().hex
         self.producer.send_task(task, args=args, task_id=task_id, queue=self.queue)
         return task_id
@@ -94,6 +100,12 @@ class Cluster:
         query = select(effects).where(effects.c.run_id == run_id).order_by(effects.c.id)
         if kind:
             query = query.where(effects.c.kind == kind)
+        with self.engine.connect() as conn:
+            return list(conn.execute(query).all())
+
+    def effects_of_kind(self, kind: str) -> list[Any]:
+        """Every effect of ``kind``, across runs."""
+        query = select(effects).where(effects.c.kind == kind).order_by(effects.c.id)
         with self.engine.connect() as conn:
             return list(conn.execute(query).all())
 

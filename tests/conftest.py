@@ -93,7 +93,12 @@ def cluster(
     else:
         folder = tmp_path / "broker"
         (folder / "control").mkdir(parents=True)
-        broker_env = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+        # The embedded default: a database result backend (chords use chord_unlock).
+        broker_env = {
+            "CL_BROKER_URL": "filesystem://",
+            "CL_FS_DIR": str(folder),
+            "CL_RESULT_BACKEND": f"db+sqlite:///{tmp_path / 'results.sqlite3'}",
+        }
     c = Cluster(str(db_url), broker_env, tmp_path, workers)
     yield c
     c.close()

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from celery_lease.migrations import upgrade
+from celery_lease.migrations import head, upgrade
 from celery_lease.store import LeaseStore
 from tests.helpers import REPO
 
@@ -104,8 +104,8 @@ def claim(
 def test_migrate_creates_schema_then_is_idempotent(cli: Cli) -> None:
     """`lease migrate` creates the table, a second run reports it is already at head."""
     first = cli.ok("migrate")
-    assert "migrated (empty) -> 0001" in first
-    assert "already at revision 0001" in cli.ok("migrate")
+    assert f"migrated (empty) -> {head()}" in first
+    assert f"already at revision {head()}" in cli.ok("migrate")
     store = LeaseStore.from_url(cli.db_url)
     assert store.has_schema()
     store.dispose()
@@ -116,8 +116,8 @@ def test_migrate_adopts_table_created_on_first_use(cli: Cli) -> None:
     store = LeaseStore.from_url(cli.db_url)
     store.create_schema()
     store.dispose()
-    assert "recorded it at revision 0001" in cli.ok("migrate")
-    assert "already at revision 0001" in cli.ok("migrate")
+    assert f"recorded it at revision {head()}" in cli.ok("migrate")
+    assert f"already at revision {head()}" in cli.ok("migrate")
 
 
 def test_runs_lists_filters_and_prints_json(cli: Cli, store: LeaseStore) -> None:

@@ -195,3 +195,109 @@ def effect(self: LeasedTask, seconds: float) -> str:
         self.lease.fence(conn, complete=True)
         record(self.lease.run_id, self.lease.attempt, "commit", conn)
     return "committed"
+
+
+# -- Celery features (tests/test_canvas.py) -----------------------------------
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.step")
+def step(self: LeasedTask, x: int, seconds: float = 0.0) -> int:
+    """A canvas step: work (checking the lease), commit one fenced effect, return x + 1."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        self.lease.check()
+        time.sleep(0.02)
+    with effects_engine().begin() as conn:
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    return x + 1
+
+
+@app.task(name="workerapp.add")
+def add(x: int, y: int) -> int:
+    """A plain (unleased) task."""
+    return x + y
+
+
+@app.task(name="workerapp.tsum")
+def tsum(values: list[int], tag: str = "") -> int:
+    """A plain chord body: records that it fired (under ``tag``), returns the sum."""
+    record(tag or "tsum", 0, "fired")
+    return sum(values)
+
+
+@app.task(name="workerapp.mark")
+def mark(result: Any, tag: str) -> Any:
+    """A plain link callback: records that it ran."""
+    record(tag, 0, "linked")
+    return result
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.keyed", lease_key=lambda x, seconds=0.0: x)
+def keyed(self: LeasedTask, x: int, seconds: float = 0.0) -> int:
+    """Keyed by ``x`` (an idempotency key): runs once per x, returns x * 10."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        self.lease.check()
+        time.sleep(0.02)
+    record(self.lease.run_id, self.lease.attempt, "commit")
+    return x * 10
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.refund", lease_key=lambda x: x)
+def refund(self: LeasedTask, x: int) -> int:
+    """Keyed by the same values as ``keyed``: a different task, so a different run."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return -x
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.bad_key", lease_key=lambda x: None)
+def bad_key(self: LeasedTask, x: int) -> int:
+    """A key function returning None: a clear error, never the run id "None"."""
+    return x
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.retry_later")
+def retry_later(self: LeasedTask, countdown: float) -> str:
+    """Asks Celery to retry in ``countdown`` s on its first attempt, then succeeds."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    return "retried"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.outcome")
+def outcome(self: LeasedTask, what: str) -> Any:
+    """Ends the run as the body chooses: Ignore, Reject or replace()."""
+    from celery.exceptions import Ignore, Reject
+
+    record(self.lease.run_id, self.lease.attempt, "start")
+    if what == "ignore":
+        raise Ignore()
+    if what == "reject":
+        raise Reject("not for us", requeue=False)
+    return self.replace(step.s(100))
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.auto_fail",
+    autoretry_for=(ValueError,),
+    retry_kwargs={"countdown": 0.1},
+)
+def auto_fail(self: LeasedTask) -> None:
+    """Always raises ValueError; autoretry_for retries it until the lease attempts run out."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise ValueError(f"real boom on attempt {self.lease.attempt}")
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.complete_then_raise")
+def complete_then_raise(self: LeasedTask) -> None:
+    """Commits its effect and the run's success, then raises."""
+    with effects_engine().begin() as conn:
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    raise RuntimeError("raised after the run was recorded succeeded")
