@@ -15,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .config import LeaseConfig
 from .heartbeat import Heartbeat
 from .sanitize import describe_exception, safe_url
-from .store import LeaseStore
+from .store import LeaseStore, RunNotFound
 from .sweeper import BEAT_ENTRY_NAME, SWEEP_TASK_NAME, SweepReport, register_sweep_task, requeue_all
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,39 @@ def _on_worker_shutting_down(sender: Any = None, **kwargs: Any) -> None:
         requeue_all(app, released, SweepReport(), "handoff", store)
 
 
+def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """``revoke()``, ``revoke(terminate=True)`` or an expired message: cancel the run.
+
+    Only the run's own delivery (same task id) cancels it: a revoked or expired
+    duplicate of a keyed run leaves the run alone. Runs in the worker's main
+    process; a failure is logged, never raised.
+    """
+    from .task import LeasedTask
+
+    if not isinstance(sender, LeasedTask) or request is None or not request.id:
+        return
+    try:
+        run_id = sender.run_id_of(request)
+        store = runtime_for(sender.app, sender.lease_config()).store
+        status = store.cancel(run_id, task_id=request.id)
+    except RunNotFound:
+        return  # revoked before any claim: nothing recorded, nothing to end
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: could not cancel the run of revoked task %s: %s",
+            request.id,
+            describe_exception(exc),
+        )
+        return
+    logger.info(
+        "celery-lease: task %s revoked: run %s is %s",
+        request.id,
+        run_id,
+        "cancel-requested" if status == "running" else status,
+        extra={"lease_event": "revoked", "run_id": run_id},
+    )
+
+
 def _on_worker_process_shutdown(**kwargs: Any) -> None:
     for app_runtimes in _all_runtimes():
         for runtime in list(app_runtimes.values()):
@@ -197,4 +230,7 @@ def install(app: Celery) -> None:
     _add_beat_entry(app)
     signals.worker_process_shutdown.connect(
         _on_worker_process_shutdown, weak=False, dispatch_uid="celery_lease.process_shutdown"
+    )
+    signals.task_revoked.connect(
+        _on_task_revoked, weak=False, dispatch_uid="celery_lease.task_revoked"
     )

@@ -1110,17 +1110,24 @@ class LeaseStore:
         with self._auto.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
-    def cancel(self, run_id: str) -> str:
+    def cancel(self, run_id: str, *, task_id: str | None = None) -> str:
         """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
 
         Returns the resulting status (``cancelled``, or ``running`` with
-        ``cancel_requested_at`` set, or the terminal status it already had).
+        ``cancel_requested_at`` set, or the status it has when nothing changed).
+        With ``task_id``, only a run whose own delivery has that Celery task id
+        is touched (a revoked duplicate never cancels the run it duplicates).
         Raises :class:`RunNotFound` for an unknown id.
         """
         now = db_now_ms()
+        own = (
+            runs.c.id == run_id
+            if task_id is None
+            else and_(runs.c.id == run_id, runs.c.task_id == task_id)
+        )
         at_once = (
             update(runs)
-            .where(runs.c.id == run_id, runs.c.status.in_((QUEUED, RETRYING)))
+            .where(own, runs.c.status.in_((QUEUED, RETRYING)))
             .values(
                 status=CANCELLED,
                 failure_code="cancelled",
@@ -1132,7 +1139,7 @@ class LeaseStore:
         )
         request = (
             update(runs)
-            .where(runs.c.id == run_id, runs.c.status == RUNNING)
+            .where(own, runs.c.status == RUNNING)
             .values(
                 cancel_requested_at=func.coalesce(runs.c.cancel_requested_at, now),
                 updated_at=now,
@@ -1143,11 +1150,14 @@ class LeaseStore:
                 return CANCELLED
             if conn.execute(request).rowcount == 1:
                 return RUNNING
-            status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
-        if status is None:
+            row = conn.execute(
+                select(runs.c.status, runs.c.task_id).where(runs.c.id == run_id)
+            ).first()
+        if row is None:
             raise RunNotFound(run_id)
-        if status not in TERMINAL_STATUSES:
-            return self.cancel(run_id)  # it changed status between statements
+        status, own_task_id = row
+        if status not in TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
+            return self.cancel(run_id, task_id=task_id)  # it changed status between statements
         return str(status)
 
     # -- reads ----------------------------------------------------------------

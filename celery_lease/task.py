@@ -149,12 +149,25 @@ class LeasedTask(Task):  # type: ignore[misc]
         one), else the task id. A replacement made by ``self.replace()`` inherits
         the task id but is a new run: its id gains ``~replaced-N``.
         """
+        return self.run_id_of(self.request, args, kwargs)
+
+    def run_id_of(
+        self,
+        request: Any,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The run id of the delivery ``request`` (a Celery request context)."""
         if self.lease_config().key is not None:
+            if args is None:
+                args = tuple(request.args or ())
+            if kwargs is None:
+                kwargs = dict(request.kwargs or {})
             run_id = self.lease_run_id(*args, **kwargs)
         else:
-            task_id = self.request.id
+            task_id = request.id
             run_id = str(task_id) if task_id else uuid.uuid4().hex
-        nesting = getattr(self.request, "replaced_task_nesting", 0) or 0
+        nesting = getattr(request, "replaced_task_nesting", 0) or 0
         if nesting:
             run_id = f"{run_id}~replaced-{nesting}"
         return fit_run_id(run_id)
