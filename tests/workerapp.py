@@ -301,3 +301,23 @@ def complete_then_raise(self: LeasedTask) -> None:
         self.lease.fence(conn, complete=True)
         record(self.lease.run_id, self.lease.attempt, "commit", conn)
     raise RuntimeError("raised after the run was recorded succeeded")
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.boom")
+def boom(self: LeasedTask) -> None:
+    """Always fails (for link_error and time-limit rows)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise RuntimeError("boom")
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.rated", rate_limit="60/m")
+def rated(self: LeasedTask) -> str:
+    """Rate-limited to one a second per worker."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return "rated"
+
+
+@app.task(name="workerapp.on_error")
+def on_error(request: Any, exc: Any, traceback: Any, tag: str) -> None:
+    """A link_error callback: records that it ran."""
+    record(tag, 0, "errback")

@@ -1,0 +1,144 @@
+"""One test per row of docs/celery-features.md that tests/test_canvas.py does not cover.
+
+Real ``celery worker`` processes; the embedded default (SQLite leases,
+filesystem broker, database result backend) unless a row needs Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import wait_for
+
+SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+
+FAST = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
+SHORT = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5"}
+
+
+def sig(cluster: Cluster, name: str, *args: Any, **kwargs: Any) -> Any:
+    return cluster.producer.signature(f"workerapp.{name}", args=args, kwargs=kwargs)
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_link_error_runs_once_after_the_last_attempt(cluster: Cluster) -> None:
+    """link_error: called once, when the lease attempts are spent, not per attempt."""
+    cluster.start("w1", conf={**FAST, "lease_max_attempts": 2})
+    tag = f"err-{uuid.uuid4().hex[:8]}"
+    res = sig(cluster, "boom").apply_async(link_error=sig(cluster, "on_error", tag=tag))
+    with pytest.raises(RuntimeError, match="boom"):
+        res.get(timeout=40)
+    wait_for(lambda: cluster.effects(tag, "errback"), 20, what="the errback")
+    time.sleep(1.0)
+    assert len(cluster.effects(tag, "errback")) == 1
+    assert [e.attempt for e in cluster.effects(res.id, "start")] == [1, 2]
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_countdown_claims_only_when_the_message_is_due(cluster: Cluster) -> None:
+    """countdown/eta: the run is claimed when Celery executes it, not when it arrives."""
+    cluster.start("w1", conf=FAST)
+    sent = time.time()
+    res = sig(cluster, "work", 0.0).apply_async(countdown=3)
+    time.sleep(1.0)
+    assert cluster.status(res.id) is None  # held by the worker, no lease yet
+    assert res.get(timeout=30) == "done"
+    assert cluster.effects(res.id, "start")[0].at - sent >= 2.5
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_expired_message_never_claims(cluster: Cluster) -> None:
+    """expires: a message that expired before it ran is REVOKED by Celery; no run row."""
+    cluster.start("w1", conf=FAST)
+    res = sig(cluster, "work", 0.0).apply_async(
+        expires=datetime.now(timezone.utc) - timedelta(minutes=1)
+    )
+    wait_for(lambda: res.state == "REVOKED", 30, what="REVOKED")
+    assert cluster.status(res.id) is None and cluster.effects(res.id) == []
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_soft_time_limit_is_a_failed_attempt(cluster: Cluster) -> None:
+    """soft_time_limit: SoftTimeLimitExceeded in the body is a failed attempt, retried
+    with backoff until the lease attempts are spent."""
+    cluster.start("w1", conf={**FAST, "lease_max_attempts": 2})
+    res = sig(cluster, "spin", 30.0).apply_async(soft_time_limit=1)
+    with pytest.raises(Exception, match=r"SoftTimeLimitExceeded|soft time limit"):
+        res.get(timeout=60)
+    row = cluster.store.get(res.id)
+    assert row is not None and (row.status, row.attempt) == ("failed", 2)
+    assert row.failure_code == "exception:SoftTimeLimitExceeded"
+
+
+@SQLITE_FS
+@pytest.mark.timeout(150)
+def test_hard_time_limit_attempts_are_recovered_then_fail(cluster: Cluster) -> None:
+    """time_limit: the killed attempt is recovered like a killed worker, bounded by the
+    lease attempts; the run ends failed (lease_expired), never re-sent after that."""
+    cluster.start("w1", conf={**FAST, "lease_max_attempts": 2}, **SHORT)
+    cluster.start_beat({"lease_sweep_interval": 0.5, **FAST})
+    res = sig(cluster, "spin", 30.0).apply_async(time_limit=1)
+    wait_for(lambda: cluster.status(res.id) == "failed", 60, what="the run to fail")
+    row = cluster.store.get(res.id)
+    assert row is not None and (row.attempt, row.failure_code) == (2, "lease_expired")
+    assert res.state == "FAILURE"
+    time.sleep(2.0)
+    assert len(cluster.effects(res.id, "start")) == 2
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_rate_limit_applies_to_leased_runs(cluster: Cluster) -> None:
+    """rate_limit: Celery spaces the bodies; every run is claimed once and succeeds."""
+    cluster.start("w1", conf=FAST)
+    ids = [cluster.send("rated") for _ in range(3)]
+    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in ids), 40, what="3 runs")
+    starts = sorted(cluster.effects(i, "start")[0].at for i in ids)
+    assert starts[-1] - starts[0] >= 1.5  # 60/m: about one a second
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_revoke_terminate_cancels_the_run(cluster: Cluster) -> None:
+    """revoke(terminate=True): the body is killed, the run ends cancelled, never re-run;
+    revoke() before it starts: the run never claims."""
+    cluster.start("w1", conf=FAST, **SHORT)
+    cluster.start_beat({"lease_sweep_interval": 0.5, **FAST})
+    running = cluster.send("spin", 30.0)
+    wait_for(lambda: cluster.effects(running, "start"), 30, what="the body to start")
+    cluster.producer.control.revoke(running, terminate=True, signal="SIGKILL")
+    wait_for(lambda: cluster.status(running) == "cancelled", 30, what="cancelled")
+    time.sleep(2.0)
+    assert len(cluster.effects(running, "start")) == 1
+    later = sig(cluster, "work", 0.0).apply_async(countdown=3)
+    cluster.producer.control.revoke(later.id)
+    wait_for(lambda: later.state == "REVOKED", 30, what="REVOKED")
+    assert cluster.status(later.id) is None
+
+
+@PG_REDIS
+@pytest.mark.timeout(150)
+def test_acks_late_reject_on_worker_lost_runs_once(cluster: Cluster) -> None:
+    """acks_late + task_reject_on_worker_lost: a pool child killed mid-run is requeued
+    by Celery; the redelivery waits for the lease, then runs; one commit."""
+    conf = {**FAST, "task_reject_on_worker_lost": True}
+    cluster.start("w1", conf=conf, CL_ACKS_LATE="1", CL_VISIBILITY_TIMEOUT="30", **SHORT)
+    run_id = cluster.send("work", 2.0)
+    (start,) = wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the body")
+    os.kill(start.pid, signal.SIGKILL)  # the pool child only: the worker lives
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="the requeued run")
+    assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+    assert cluster.producer.AsyncResult(run_id).get(timeout=10) == "done"
