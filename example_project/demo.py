@@ -237,7 +237,7 @@ class Demo:
         now = self.store.now_ms()
         held = []
         for run in self.store.list_runs(status="running", limit=1000):
-            if not run.id.startswith(f"capture-ord-{self.batch}-"):
+            if not run.id.startswith(f"capture:ord-{self.batch}-"):
                 continue
             if not (run.lease_owner or "").startswith(f"{worker}@"):
                 continue
@@ -358,7 +358,7 @@ class Demo:
         return [
             run
             for run in self.store.list_runs(task_name=self.tasks.capture_payment.name, limit=10_000)
-            if run.id.startswith(f"capture-ord-{self.batch}-")
+            if run.id.startswith(f"capture:ord-{self.batch}-")
         ]
 
     # -- the summary ----------------------------------------------------------------
@@ -380,7 +380,7 @@ class Demo:
             ).all()
         runs = {run.id: run for run in self.runs()}
         logs = self.logs()
-        run_re = rf"capture-{re.escape(prefix)}\d+"
+        run_re = rf"capture:{re.escape(prefix)}\d+"
 
         def distinct(pattern: str) -> set[str]:
             return set(re.findall(pattern, logs))
@@ -447,11 +447,12 @@ class Demo:
         if double:
             failures.append(f"double commits: {', '.join(double)}")
         open_runs = sorted(r.id for r in runs.values() if not r.terminal)
-        missing = sorted(o for o in orders_by_id if self.tasks.capture_run_id(o, "") not in runs)
+        run_id_of = self.tasks.capture_payment.lease_run_id
+        missing = sorted(o for o in orders_by_id if run_id_of(o, "") not in runs)
         if open_runs or missing:
             failures.append(f"runs not terminal: {', '.join(open_runs + missing)}")
         for pay in pay_rows:
-            run = runs.get(self.tasks.capture_run_id(pay.order_id, ""))
+            run = runs.get(run_id_of(pay.order_id, ""))
             if run is None or (run.attempt, run.lease_owner) != (
                 pay.fencing_token,
                 pay.captured_by,

@@ -28,7 +28,7 @@ MAX_CAPTURES_PER_MERCHANT = 2
 
 def capture_run_id(order_id: str, merchant_id: str) -> str:
     """The idempotency key: one capture run per order, however often it is submitted."""
-    return f"capture-{order_id}"
+    return order_id
 
 
 def merchant_key(order_id: str, merchant_id: str) -> str:
@@ -64,6 +64,7 @@ class UnknownOrder(Exception):
     bind=True,
     name="example_project.capture_payment",
     lease_key=capture_run_id,
+    lease_namespace="capture",  # run ids read "capture:<order id>"
     lease_concurrency_key=merchant_key,
     lease_max_concurrency=MAX_CAPTURES_PER_MERCHANT,
 )
@@ -122,7 +123,7 @@ def resubmit_stalled_captures() -> int:
         ).all()
     resubmitted = 0
     for order_id, merchant_id in stalled:
-        if store.get(capture_run_id(order_id, merchant_id)) is None:
+        if store.get(capture_payment.lease_run_id(order_id, merchant_id)) is None:
             logger.warning("order %s: capture never started; submitting it again", order_id)
             submit_capture(order_id, merchant_id)
             resubmitted += 1

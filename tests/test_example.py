@@ -73,7 +73,7 @@ def check_summary(out: str) -> None:
     assert summary_value(out, "recovered by the sweeper") >= 1
     assert summary_value(out, "stale completions refused") >= 1
     assert summary_value(out, "retried (attempt > 1)") >= 1
-    assert "refused: automation_run_lease_lost: run capture-ord-" in out
+    assert "refused: automation_run_lease_lost: run capture:ord-" in out
     assert "SIGKILL alpha" in out
     assert "invariants hold" in out
 
