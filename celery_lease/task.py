@@ -497,17 +497,21 @@ class LeasedTask(Task):  # type: ignore[misc]
         if claim.status == SUCCEEDED:
             if same:
                 raise Ignore()
-            return self._result_of(config, claim)
+            return self._result_of(config, runtime, claim)
         if same and self._celery_state(own_id) == states.FAILURE:
             raise Ignore()
         raise self._failure_of(runtime, claim)
 
-    def _result_of(self, config: LeaseConfig, claim: ClaimResult) -> Any:
+    def _result_of(self, config: LeaseConfig, runtime: Runtime, claim: ClaimResult) -> Any:
         """The stored result of the run's own task id; waits (re-published) until Celery has it."""
         meta = self._celery_meta(claim.task_id)
         if meta is not None and meta.get("status") == states.SUCCESS:
             return meta.get("result")
-        if meta is not None and self.request.retries < RESULT_WAIT_TRIES:
+        if (
+            meta is not None
+            and self.request.retries < RESULT_WAIT_TRIES
+            and self._finished_recently(runtime, claim.run_id, config.lease_seconds)
+        ):
             # Succeeded in the lease table, not yet stored by Celery (or fenced
             # inside a body that is still running): ask again shortly.
             self._reschedule(busy_delay(config, 0.2, self.request.retries), Ignore())
@@ -518,6 +522,17 @@ class LeasedTask(Task):  # type: ignore[misc]
             claim.task_id,
         )
         return None
+
+    @staticmethod
+    def _finished_recently(runtime: Runtime, run_id: str, window: float) -> bool:
+        """True when the run ended less than ``window`` s ago (its result may still come)."""
+        try:
+            row = runtime.store.get(run_id)
+            now = runtime.store.now_ms()
+        except SQLAlchemyError:
+            return True
+        finished = None if row is None else (row.finished_at or row.updated_at)
+        return finished is not None and now - finished < window * 1000
 
     def _failure_of(self, runtime: Runtime, claim: ClaimResult) -> BaseException:
         """The exception a failed run ended with: Celery's stored one, else :class:`RunFailed`."""

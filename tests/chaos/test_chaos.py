@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -186,6 +187,48 @@ def test_worker_clock_skew(cluster: Cluster, capsys: pytest.CaptureFixture[str])
     wait_for(lambda: all_terminal(cluster, [stall]), 40, what="the stall run")
     history = check(cluster, [*run_ids, long_run, stall])
     report(capsys, "clock-skew +-300s", history)
+
+
+@pytest.mark.timeout(420)
+def test_kill9_during_100_chains_of_3_leased_steps(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """100 chains of 3 leased steps while a driver kill -9s a random worker every few
+    seconds: every step commits once, every chain's last step runs exactly once, and
+    every caller's AsyncResult resolves with the chain's result."""
+    from celery import chain
+
+    rng = random.Random(20261203)
+    workers = [cluster.start(f"w{i}", conf=CONF, **TIMING) for i in range(3)]
+    cluster.start_beat(SWEEP)
+
+    def step(*args: Any) -> Any:
+        return cluster.producer.signature("workerapp.step", args=args)
+
+    results = [
+        chain(step(i, rng.uniform(0.1, 0.3)), step(), step()).apply_async() for i in range(100)
+    ]
+    kills = 0
+    stop_killing = time.monotonic() + 20
+    while time.monotonic() < stop_killing:
+        time.sleep(rng.uniform(2.0, 4.0))
+        victim = rng.randrange(len(workers))
+        workers[victim].kill9()
+        kills += 1
+        workers[victim] = cluster.start(f"w{victim}-r{kills}", conf=CONF, **TIMING)
+    step_ids = [r.id for res in results for r in (res, res.parent, res.parent.parent)]
+    wait_for(lambda: all_terminal(cluster, step_ids), 300, interval=1.0, what="all 300 steps")
+    unresolved = []
+    for i, res in enumerate(results):
+        try:
+            if res.get(timeout=30) != i + 3:
+                unresolved.append(res.id)
+        except Exception as exc:
+            unresolved.append(f"{res.id}: {exc!r}")
+    history = check(cluster, step_ids)
+    assert kills >= 5
+    assert unresolved == []
+    report(capsys, f"canvas kill9 x{kills}: 100 chains x 3", history)
 
 
 def _pids(worker: Worker) -> set[int]:
