@@ -16,7 +16,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from kombu.serialization import dumps
 from sqlalchemy.exc import SQLAlchemyError
 
-from .app import Runtime, install, runtime_for
+from .app import Runtime, install, runtime_for, worker_id
 from .config import SETTING_NAMES, LeaseConfig
 from .errors import LeaseBusy, LeaseError, LeaseLost, RunCancelled
 from .events import emit
@@ -30,10 +30,11 @@ logger = logging.getLogger(__name__)
 COMPLETE_RETRY_SECONDS = 5.0
 
 
-def new_owner(hostname: str | None = None) -> str:
-    """A fresh, unguessable owner string: ``host:pid:uuid4``."""
+def new_owner(hostname: str | None = None, worker: str | None = None) -> str:
+    """A fresh, unguessable owner string: ``host:pid:uuid4``, then ``:worker id`` in a worker."""
     host = hostname or socket.gethostname()
-    return f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
+    owner = f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
+    return f"{owner}:{worker}" if worker else owner
 
 
 def backoff_delay(config: LeaseConfig, attempt: int) -> float:
@@ -120,7 +121,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             runtime = runtime_for(self.app, config)
             claim = runtime.store.claim(
                 run_id,
-                new_owner(self.request.hostname),
+                new_owner(self.request.hostname, worker_id(self.app)),
                 task_name=self.name,
                 lease_ms=config.lease_ms,
                 max_attempts=config.max_attempts,
@@ -385,7 +386,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         try:
             runtime.store.release(lease.run_id, lease.owner, lease.attempt)
         except (LeaseError, SQLAlchemyError) as exc:
-            logger.info("celery-lease: release of %s skipped: %s", lease.run_id, exc)
+            logger.info(
+                "celery-lease: release of %s skipped: %s", lease.run_id, describe_exception(exc)
+            )
 
     def _mark_revoked(self, run_id: str) -> None:
         task_id = self.request.id
@@ -394,7 +397,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         try:
             self.backend.mark_as_revoked(task_id, "cancelled", request=self.request)
         except Exception as exc:
-            logger.warning("celery-lease: could not mark %s revoked: %s", task_id, exc)
+            logger.warning(
+                "celery-lease: could not mark %s revoked: %s", task_id, describe_exception(exc)
+            )
 
     def _concurrency_key(
         self, config: LeaseConfig, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -32,7 +32,7 @@ app.conf.update(
     task_acks_late=os.environ.get("CL_ACKS_LATE", "0") == "1",
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
-    lease_database_url=os.environ.get("CL_LEASE_DB"),
+    lease_database_url=os.environ.get("CL_LEASE_DB") or None,
     lease_seconds=float(os.environ.get("CL_LEASE_SECONDS", "30")),
 )
 if os.environ.get("CL_HEARTBEAT"):
