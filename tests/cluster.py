@@ -57,9 +57,10 @@ class Cluster:
         conf: dict[str, Any] | None = None,
         pool: str = "prefork",
         concurrency: int = 2,
+        node: str | None = None,
         **env: str,
     ) -> Worker:
-        """Start a worker on this cluster and wait until it is ready."""
+        """Start a worker on this cluster and wait until it is ready (node: ``-n``)."""
         if conf:
             env["CL_CONF"] = json.dumps(conf)
         worker = Worker(
@@ -68,6 +69,7 @@ class Cluster:
             name=name,
             pool=pool,
             concurrency=concurrency,
+            node=node,
         )
         self._workers.append(worker)
         return worker.wait_ready()

@@ -16,6 +16,7 @@ from celery import Celery
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, insert
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
+from celery_lease.app import shutting_down
 
 if os.environ.get("CL_CLOCK_SKEW"):
     # Chaos: this process's wall clock is wrong by CL_CLOCK_SKEW seconds. Leases
@@ -195,3 +196,19 @@ def effect(self: LeasedTask, seconds: float) -> str:
         self.lease.fence(conn, complete=True)
         record(self.lease.run_id, self.lease.attempt, "commit", conn)
     return "committed"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.drain", lease_interrupt=False)
+def drain(self: LeasedTask, seconds: float) -> str:
+    """Run ``seconds`` without checking the lease; record when this process first sees
+    its worker shutting down, then the body's end."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    end = time.monotonic() + seconds
+    seen = False
+    while time.monotonic() < end:
+        if not seen and shutting_down(app):
+            seen = True
+            record(self.lease.run_id, self.lease.attempt, "saw_shutdown")
+        time.sleep(0.02)
+    record(self.lease.run_id, self.lease.attempt, "body_end")
+    return "drained"
