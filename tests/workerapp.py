@@ -212,3 +212,16 @@ def drain(self: LeasedTask, seconds: float) -> str:
         time.sleep(0.02)
     record(self.lease.run_id, self.lease.attempt, "body_end")
     return "drained"
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.refused",
+    lease_concurrency_key=lambda card_number: f"card-{card_number}",
+)
+def refused(self: LeasedTask, card_number: str) -> str:
+    """A task whose claim the log-scan test makes the database refuse (a trigger); its
+    arguments reach the claim's SQL parameters (payload and concurrency key)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return "unreachable"
