@@ -976,7 +976,7 @@ class LeaseStore:
         """Hand back every running lease taken by the worker whose id is ``worker_id``.
 
         Used on a worker's cold shutdown. Owners taken inside a worker end in
-        ``:<worker id>`` (a random id per worker, see ``celery_lease.app.worker_id``),
+        ``.<worker id>`` (a random id per worker, see ``celery_lease.app.worker_id``),
         so another worker is never touched, even one with the same node name.
         Each release is guarded like :meth:`release`; the released rows are returned.
         """
@@ -987,7 +987,7 @@ class LeaseStore:
                 conn.execute(
                     select(runs).where(
                         runs.c.status == RUNNING,
-                        runs.c.lease_owner.endswith(f":{worker_id}", autoescape=True),
+                        runs.c.lease_owner.endswith(f".{worker_id}", autoescape=True),
                     )
                 )
                 .mappings()

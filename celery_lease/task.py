@@ -31,10 +31,10 @@ COMPLETE_RETRY_SECONDS = 5.0
 
 
 def new_owner(hostname: str | None = None, worker: str | None = None) -> str:
-    """A fresh, unguessable owner string: ``host:pid:uuid4``, then ``:worker id`` in a worker."""
+    """A fresh, unguessable owner: ``host:pid:uuid4`` (``host:pid:uuid4.worker-id`` in a worker)."""
     host = hostname or socket.gethostname()
     owner = f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
-    return f"{owner}:{worker}" if worker else owner
+    return f"{owner}.{worker}" if worker else owner
 
 
 def backoff_delay(config: LeaseConfig, attempt: int) -> float:
