@@ -130,7 +130,11 @@ def shutting_down(app: Celery) -> bool:
         return True
     from celery.worker import state
 
-    return state.should_stop is not None or state.should_terminate is not None
+    # The same test as Celery's own state.maybe_shutdown(): 0 (EX_OK) means stop too.
+    return any(
+        flag is not None and flag is not False
+        for flag in (state.should_stop, state.should_terminate)
+    )
 
 
 #: How long a worker retries an unreachable lease database at start-up.
