@@ -18,7 +18,7 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from .config import LeaseConfig, check_app_settings
+from .config import LeaseConfig, check_app_settings, check_task_options
 from .heartbeat import Heartbeat
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import LeaseStore
@@ -153,6 +153,8 @@ def _check_worker_startup(app: Celery, pool: str) -> None:
     configs = {config.database_url: config}
     for task in list(app.tasks.values()):
         if isinstance(task, LeasedTask):
+            options = [name for klass in type(task).__mro__ for name in vars(klass)]
+            check_task_options(task.name, options, set(dir(LeasedTask)))
             task_config = task.lease_config()  # raises ImproperlyConfigured naming the key
             configs.setdefault(task_config.database_url, task_config)
     if "gevent" in pool or "eventlet" in pool:

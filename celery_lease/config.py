@@ -268,6 +268,20 @@ def check_app_settings(app: Celery) -> None:
             )
 
 
+def check_task_options(task_name: str, options: list[str], known: set[str]) -> None:
+    """Refuse a ``lease_*`` task option that is neither a setting nor in ``known``.
+
+    Raises:
+        ImproperlyConfigured: naming the task and the option, with the close match.
+    """
+    for option in options:
+        if not option.startswith("lease_") or option in SETTING_NAMES or option in known:
+            continue
+        close = difflib.get_close_matches(option, SETTING_NAMES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ImproperlyConfigured(f"task {task_name}: unknown option {option}{hint}")
+
+
 def network_broker_schemes(app: Celery) -> list[str]:
     """The schemes of the app's broker URLs that reach beyond this host (e.g. ``redis``)."""
     conf = app.conf

@@ -148,3 +148,18 @@ def test_default_sqlite_behind_network_broker_is_refused(broker: str | None) -> 
 def test_default_sqlite_with_a_local_broker_is_fine(broker: str) -> None:
     """The embedded default (one host) keeps working without any setting."""
     check_app_settings(Celery("local", set_as_current=False, broker=broker))
+
+
+def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
+    """A misspelled lease_* task option, which Celery would keep silently, is refused."""
+    from celery_lease.app import _check_worker_startup
+
+    app = Celery("opt", set_as_current=False, broker="memory://")
+    app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, lease_secnds=5)
+    def charge(self: LeasedTask) -> None:
+        return None
+
+    with pytest.raises(ImproperlyConfigured, match="unknown option lease_secnds; did you mean"):
+        _check_worker_startup(app, "prefork")
