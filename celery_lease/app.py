@@ -295,7 +295,7 @@ def _permanent_problem(exc: SQLAlchemyError) -> str | None:
         what = "database does not exist"
     elif code in _PERMANENT_MYSQL_CODES:
         what = _PERMANENT_MYSQL_CODES[code]
-    else:
+    elif "temporary failure" not in str(orig).lower():  # EAI_AGAIN: DNS itself is down
         text = str(orig)
         what = next((name for pattern, name in _PERMANENT_MESSAGES if pattern.search(text)), None)
     if what is None:

@@ -209,3 +209,32 @@ def test_transient_outage_at_start_warns_retries_then_starts(
     assert "starting anyway" in log
     assert "pw-s3cret" not in log
     assert time.monotonic() - started < 45
+
+
+@pytest.mark.parametrize(
+    ("message", "verdict"),
+    [
+        ('could not translate host name "db" to address: Name or service not known', "host"),
+        ('could not translate host name "db": Temporary failure in name resolution', None),
+        ('connection to server at "127.0.0.1", port 9 failed: Connection refused', None),
+        ("connection timeout expired", None),
+        ('FATAL:  password authentication failed for user "app"', "authentication"),
+        ('FATAL:  database "app" does not exist', "database"),
+        ("(1045, \"Access denied for user 'root'@'localhost' (using password: YES)\")", "auth"),
+        ("unable to open database file", "SQLite"),
+    ],
+)
+def test_startup_errors_split_into_permanent_and_transient(
+    message: str, verdict: str | None
+) -> None:
+    """Start-up refuses only problems waiting will not fix; refused connections, timeouts
+    and a failing DNS server are waited out."""
+    from sqlalchemy.exc import OperationalError
+
+    from celery_lease.app import _permanent_problem
+
+    problem = _permanent_problem(OperationalError("SELECT 1", {}, Exception(message)))
+    if verdict is None:
+        assert problem is None
+    else:
+        assert problem is not None and verdict in problem
