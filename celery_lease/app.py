@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
+import re
+import socket
 import threading
+import time
+import uuid
 from typing import Any
 
 from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from .config import LeaseConfig
+from .config import LeaseConfig, check_app_settings, check_task_options
 from .heartbeat import Heartbeat
-from .sanitize import describe_exception, safe_url
+from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import LeaseStore, RunNotFound
 from .sweeper import BEAT_ENTRY_NAME, SWEEP_TASK_NAME, SweepReport, register_sweep_task, requeue_all
 
@@ -66,53 +72,235 @@ def store_for(app: Celery) -> LeaseStore:
 
 
 class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
-    """Validates lease settings before the worker forks its pool.
+    """Checks lease settings and the lease database before the worker forks its pool.
 
-    Raising here makes ``celery worker`` exit non-zero with the message, which
-    a signal receiver cannot do.
+    A permanent problem stops ``celery worker`` with one line on stderr and
+    exit status 1 (a ``SystemExit``, which Celery lets through without a
+    traceback); a signal receiver cannot do this.
     """
 
     name = "celery_lease.LeaseBootstep"
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         app = parent.app
-        config = LeaseConfig.from_app(app)
-        from .task import LeasedTask
-
-        for task in list(app.tasks.values()):
-            if isinstance(task, LeasedTask):
-                task.lease_config()  # raises ImproperlyConfigured naming the key
-        pool = str(getattr(parent, "pool_cls", "") or "").lower()
-        if "gevent" in pool or "eventlet" in pool:
-            # Green threads share one OS thread: an asynchronous exception
-            # would land in whichever greenlet runs next, not the leased body.
-            if app.conf.get("lease_interrupt") is True:
-                raise ImproperlyConfigured(
-                    "lease_interrupt=True cannot work on the gevent/eventlet pools (green "
-                    "threads share one OS thread); unset it and call self.lease.check()"
-                )
-            app._celery_lease_green_pool = True
-            logger.info(
-                "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
-                "self.lease.check()",
-                pool,
-            )
+        protect_loggers()
         try:
-            store = runtime_for(app, config).store
-            if store.dialect != "sqlite" and not store.has_schema():
-                raise ImproperlyConfigured(
-                    f"lease_database_url ({safe_url(config.database_url)}) has no "
-                    "celery_lease_runs table: run `celery -A <app> lease migrate` first"
-                )
-        except SQLAlchemyError as exc:
-            # Fail closed per task, not per worker: tasks retry until it is back.
-            logger.warning(
-                "celery-lease: lease database %s unreachable at startup: %s",
-                safe_url(config.database_url),
-                describe_exception(exc),
-            )
+            _check_worker_startup(app, str(getattr(parent, "pool_cls", "") or "").lower())
+        except ImproperlyConfigured as exc:
+            message = " ".join(str(exc).split())  # one line, whatever the driver wrote
+            raise SystemExit(
+                f"celery-lease: worker not started: ImproperlyConfigured: {sanitize(message)}"
+            ) from None
+        app._celery_lease_worker = WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1))
         register_sweep_task(app)
         super().__init__(parent, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInstance:
+    """One ``celery worker``: its random id and its shutdown flag, shared with its pool.
+
+    Made in the worker's main process before the pool forks; the flag is an
+    anonymous shared mapping, so a shutdown seen by the main process is seen
+    at once by every pool child.
+    """
+
+    id: str
+    flag: mmap.mmap
+
+
+def worker_id(app: Celery) -> str | None:
+    """The id of the worker this process belongs to (main or pool child), else None.
+
+    ``task.new_owner`` appends it to every owner, so a worker hands back
+    exactly the leases its own processes took, whatever its node name.
+    """
+    instance: WorkerInstance | None = app.__dict__.get("_celery_lease_worker")
+    return None if instance is None else instance.id
+
+
+def shutting_down(app: Celery) -> bool:
+    """True once this process's worker began a warm or cold shutdown.
+
+    Seen in the main process and in every pool child (prefork included). A
+    worker that is shutting down must not claim a new run.
+    """
+    instance: WorkerInstance | None = app.__dict__.get("_celery_lease_worker")
+    if instance is not None and instance.flag[0]:
+        return True
+    from celery.worker import state
+
+    # The same test as Celery's own state.maybe_shutdown(): 0 (EX_OK) means stop too.
+    return any(
+        flag is not None and flag is not False
+        for flag in (state.should_stop, state.should_terminate)
+    )
+
+
+#: How long a worker retries an unreachable lease database at start-up.
+STARTUP_RETRY_SECONDS = 4.0
+
+#: Extra to install for each dialect's driver.
+DRIVER_EXTRAS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql"}
+
+
+def _check_worker_startup(app: Celery, pool: str) -> None:
+    """Every start-up check; raises ImproperlyConfigured on a permanent problem."""
+    check_app_settings(app)
+    config = LeaseConfig.from_app(app)
+    from .task import LeasedTask
+
+    configs = {config.database_url: config}
+    for task in list(app.tasks.values()):
+        if isinstance(task, LeasedTask):
+            options = [name for klass in type(task).__mro__ for name in vars(klass)]
+            check_task_options(task.name, options, set(dir(LeasedTask)))
+            task_config = task.lease_config()  # raises ImproperlyConfigured naming the key
+            configs.setdefault(task_config.database_url, task_config)
+    if "gevent" in pool or "eventlet" in pool:
+        # Green threads share one OS thread: an asynchronous exception
+        # would land in whichever greenlet runs next, not the leased body.
+        if app.conf.get("lease_interrupt") is True:
+            raise ImproperlyConfigured(
+                "lease_interrupt=True cannot work on the gevent/eventlet pools (green "
+                "threads share one OS thread); unset it and call self.lease.check()"
+            )
+        app._celery_lease_green_pool = True
+        logger.info(
+            "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
+            "self.lease.check()",
+            pool,
+        )
+    for database_config in configs.values():
+        _check_database(app, database_config)
+
+
+def _check_database(app: Celery, config: LeaseConfig) -> None:
+    """Log the lease database; refuse a permanent problem; wait out a short outage."""
+    shown = safe_url(config.database_url)
+    url = make_url(config.database_url)
+    backend = url.get_backend_name()
+    logger.info(
+        "celery-lease: lease database %s",
+        shown,
+        extra={"lease_event": "database", "run_id": None},
+    )
+    if backend == "sqlite":
+        path = url.database
+        if path and path != ":memory:" and not path.startswith("file:"):
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise ImproperlyConfigured(
+                    f"lease_database_url ({shown}): directory {folder} does not exist"
+                )
+    elif url.host and not url.host.startswith("/"):
+        try:
+            socket.getaddrinfo(url.host, url.port)
+        except socket.gaierror as exc:
+            if exc.errno != getattr(socket, "EAI_AGAIN", None):  # AGAIN: DNS itself is down
+                raise ImproperlyConfigured(
+                    f"lease_database_url ({shown}): host {url.host!r} does not resolve "
+                    f"({exc.strerror})"
+                ) from None
+    deadline = time.monotonic() + STARTUP_RETRY_SECONDS
+    delay = 0.25
+    while True:
+        try:
+            store = runtime_for(app, config).store
+            present = store.dialect == "sqlite" or store.has_schema()
+            break
+        except ImportError as exc:
+            extra = DRIVER_EXTRAS.get(backend, backend)
+            raise ImproperlyConfigured(
+                f"lease_database_url ({shown}) needs a database driver that is not "
+                f"installed ({describe_exception(exc, 200)}): pip install "
+                f"'celery-lease[{extra}]'"
+            ) from None
+        except SQLAlchemyError as exc:
+            problem = _permanent_problem(exc)
+            if problem is not None:
+                raise ImproperlyConfigured(f"lease_database_url ({shown}): {problem}") from None
+            if time.monotonic() + delay > deadline:
+                # Fail closed per task, not per worker: tasks retry until it is back.
+                logger.warning(
+                    "celery-lease: lease database %s still unreachable after %.0fs; starting "
+                    "anyway, tasks will not run until it is back: %s",
+                    shown,
+                    STARTUP_RETRY_SECONDS,
+                    describe_exception(exc, 500),
+                    extra={"lease_event": "database_unreachable", "run_id": None},
+                )
+                return
+            logger.warning(
+                "celery-lease: lease database %s unreachable at startup, retrying in %.2fs: %s",
+                shown,
+                delay,
+                describe_exception(exc, 500),
+                extra={"lease_event": "database_unreachable", "run_id": None},
+            )
+            time.sleep(delay)
+            delay *= 2
+    if not present:
+        raise ImproperlyConfigured(
+            f"lease_database_url ({shown}) has no celery_lease_runs table: run "
+            "`celery -A <app> lease migrate` first"
+        )
+
+
+#: Driver messages of problems that waiting will not fix, and what to call them.
+_PERMANENT_MESSAGES = (
+    (
+        re.compile(
+            r"(?i)could not translate host name|name or service not known|"
+            r"nodename nor servname|no address associated|unknown (?:mysql server )?host"
+        ),
+        "host does not resolve",
+    ),
+    (
+        re.compile(
+            r"(?i)password authentication failed|authentication failed|access denied|"
+            r"role \S+ does not exist|no password supplied|peer authentication"
+        ),
+        "authentication failed",
+    ),
+    (re.compile(r"(?i)database \S+ does not exist|unknown database"), "database does not exist"),
+    (re.compile(r"(?i)unable to open database file"), "cannot open the SQLite file"),
+)
+
+#: MySQL/MariaDB error numbers of the same problems.
+_PERMANENT_MYSQL_CODES = {
+    1044: "authentication failed",
+    1045: "authentication failed",
+    1698: "authentication failed",
+    1049: "database does not exist",
+    2005: "host does not resolve",
+}
+
+
+def _permanent_problem(exc: SQLAlchemyError) -> str | None:
+    """What is permanently wrong, for a start-up error that waiting will not fix, else None.
+
+    Connection refused and timeouts are transient (a database restarting);
+    failed authentication, an unknown database or host, or an unopenable SQLite
+    file are not.
+    """
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = str(getattr(orig, "sqlstate", None) or "")
+    args = getattr(orig, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else None
+    what: str | None = None
+    if sqlstate.startswith("28"):
+        what = "authentication failed"
+    elif sqlstate == "3D000":
+        what = "database does not exist"
+    elif code in _PERMANENT_MYSQL_CODES:
+        what = _PERMANENT_MYSQL_CODES[code]
+    elif "temporary failure" not in str(orig).lower():  # EAI_AGAIN: DNS itself is down
+        text = str(orig)
+        what = next((name for pattern, name in _PERMANENT_MESSAGES if pattern.search(text)), None)
+    if what is None:
+        return None
+    return f"{what}: {describe_exception(orig, 300)}"
 
 
 def _on_worker_process_init(**kwargs: Any) -> None:
@@ -124,28 +312,36 @@ def _on_worker_process_init(**kwargs: Any) -> None:
             logger.warning("celery-lease: process init failed: %s", describe_exception(exc))
 
 
-def _on_worker_shutting_down(sender: Any = None, **kwargs: Any) -> None:
-    """Warm (or cold) shutdown: hand back every lease this worker node holds.
+def _on_worker_shutting_down(sender: Any = None, how: str = "Warm", **kwargs: Any) -> None:
+    """The worker begins to shut down: claim nothing new; on a cold one, hand leases back.
 
-    The runs become ``retrying``, available now, and are re-enqueued, so
-    another worker takes them over at once instead of after expiry. The bodies
-    still running here see the loss on their next heartbeat (and are
-    interrupted where ``lease_interrupt`` is on); their completions are refused.
+    A warm shutdown waits for running bodies, so their leases stay held and
+    they finish under them. On a cold shutdown Celery has already cancelled
+    the running bodies (their pool processes are terminated) when this runs:
+    their runs become ``retrying``, available now, and are re-enqueued, so
+    another worker takes them over at once instead of after expiry. Only
+    leases whose owner carries this worker's id are touched.
     """
-    if not sender:
-        return
     for app in list(_installed_apps):
-        config = LeaseConfig.from_app(app)
-        try:
-            store = runtime_for(app, config).store
-            released = store.release_owned_by(f"{sender}:")
-        except SQLAlchemyError as exc:
-            logger.warning(
-                "celery-lease: could not hand back leases at shutdown: %s",
-                describe_exception(exc),
-            )
+        instance: WorkerInstance | None = app.__dict__.get("_celery_lease_worker")
+        if instance is None:
             continue
-        requeue_all(app, released, SweepReport(), "handoff", store)
+        instance.flag[0] = 1
+        if how != "Cold":
+            continue
+        pid = os.getpid()
+        for runtime in list(app.__dict__.get("_celery_lease_runtimes", {}).values()):
+            if runtime.pid != pid:
+                continue
+            try:
+                released = runtime.store.release_owned_by(instance.id)
+            except SQLAlchemyError as exc:
+                logger.warning(
+                    "celery-lease: could not hand back leases at shutdown: %s",
+                    describe_exception(exc),
+                )
+                continue
+            requeue_all(app, released, SweepReport(), "handoff", runtime.store)
 
 
 def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
@@ -213,6 +409,7 @@ def install(app: Celery) -> None:
     Idempotent. ``LeasedTask`` calls it when it is bound to an app, so
     ``base=LeasedTask`` alone is enough.
     """
+    protect_loggers()  # every module's logger exists once the package is imported
     if app.__dict__.get("_celery_lease_installed"):
         return
     from .metrics import enable_from_app

@@ -9,8 +9,9 @@ bad setting exits before it forks its pool instead of failing mid-task.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from celery import Celery
@@ -43,6 +44,13 @@ SETTING_NAMES = (
     "lease_max_concurrency",
     "lease_sweep_interval",
 )
+
+
+#: Every ``lease_*`` key celery-lease reads from ``app.conf``; any other is a typo.
+APP_SETTING_NAMES = (*SETTING_NAMES, "lease_retention", "lease_metrics")
+
+#: Broker transports that live on this host only; any other broker spans hosts.
+LOCAL_BROKER_SCHEMES = frozenset({"memory", "filesystem", "sqla+sqlite", "sqlite"})
 
 
 def default_database_url() -> str:
@@ -233,10 +241,10 @@ def _database_url(value: Any) -> str:
         raise ImproperlyConfigured(f"lease_database_url must be a database URL, got {value!r}")
     try:
         url = make_url(value)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:
         raise ImproperlyConfigured(
-            "lease_database_url is not a valid SQLAlchemy URL "
-            "(expected e.g. postgresql+psycopg://user@host/db)"
+            "lease_database_url is not a valid SQLAlchemy URL (expected e.g. "
+            "postgresql+psycopg://user@host/db; percent-encode @ : / in a password)"
         ) from exc
     backend = url.get_backend_name()
     if backend not in SUPPORTED_DIALECTS:
@@ -244,3 +252,89 @@ def _database_url(value: Any) -> str:
             f"lease_database_url uses {backend!r}; supported: sqlite, postgresql, mysql"
         )
     return value
+
+
+def check_app_settings(app: Celery) -> None:
+    """Start-up checks beyond single values: unknown ``lease_*`` keys, and coordination.
+
+    Raises:
+        ImproperlyConfigured: a ``lease_*`` key celery-lease does not know (with
+            the close match, as the key was spelled, namespace included), or the
+            default per-host SQLite file behind a broker that spans hosts.
+    """
+    for spelled, name in _lease_keys(app.conf):
+        if name in APP_SETTING_NAMES:
+            continue
+        close = difflib.get_close_matches(name, APP_SETTING_NAMES, n=1)
+        hint = ""
+        if close:
+            head = spelled[: len(spelled) - len(name)]  # the namespace prefix, if any
+            tail = close[0].upper() if spelled[len(head) :].isupper() else close[0]
+            hint = f"; did you mean {head}{tail}?"
+        raise ImproperlyConfigured(f"unknown setting {spelled}{hint}")
+    if app.conf.get("lease_database_url") is None:
+        schemes = network_broker_schemes(app)
+        if schemes:
+            raise ImproperlyConfigured(
+                f"lease_database_url is not set, so each host would use its own SQLite file "
+                f"({default_database_url()}) while the {'/'.join(schemes)} broker spans "
+                "hosts: workers would not coordinate; set lease_database_url (e.g. "
+                "postgresql+psycopg://app@db/app, or this SQLite URL to keep one host)"
+            )
+
+
+def check_task_options(task_name: str, options: list[str], known: set[str]) -> None:
+    """Refuse a ``lease_*`` task option that is neither a setting nor in ``known``.
+
+    Raises:
+        ImproperlyConfigured: naming the task and the option, with the close match.
+    """
+    for option in options:
+        if not option.startswith("lease_") or option in SETTING_NAMES or option in known:
+            continue
+        close = difflib.get_close_matches(option, SETTING_NAMES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ImproperlyConfigured(f"task {task_name}: unknown option {option}{hint}")
+
+
+def network_broker_schemes(app: Celery) -> list[str]:
+    """The schemes of the app's broker URLs that reach beyond this host (e.g. ``redis``)."""
+    conf = app.conf
+    urls: list[str] = []
+    for value in (conf.broker_url, conf.broker_read_url, conf.broker_write_url):
+        if isinstance(value, str):
+            urls += value.split(";")
+        elif isinstance(value, (list, tuple)):
+            urls += [str(item) for item in value]
+    if not urls:
+        urls = ["amqp://"]  # Celery's default broker
+    schemes: list[str] = []
+    for url in urls:
+        scheme = url.strip().partition("://")[0].lower() or "amqp"
+        if scheme not in LOCAL_BROKER_SCHEMES and scheme not in schemes:
+            schemes.append(scheme)
+    return schemes
+
+
+def _lease_keys(conf: Any) -> Iterator[tuple[str, str]]:
+    """``(key as spelled, key as read)`` for each ``lease_*`` key the user set.
+
+    With ``config_from_object(..., namespace="CELERY")`` Celery reads
+    ``lease_seconds`` from ``CELERY_LEASE_SECONDS`` (and from ``lease_seconds``).
+    """
+    prefix: str | None = getattr(conf, "prefix", None)
+    user_maps = conf.maps[:-1] if len(conf.maps) > 1 else conf.maps
+    seen: set[str] = set()
+    for mapping in user_maps:
+        for key in list(mapping):
+            if not isinstance(key, str) or key in seen:
+                continue
+            seen.add(key)
+            if prefix and key.upper().startswith(prefix.upper()):
+                name = key[len(prefix) :].lower()
+            elif key.startswith("lease_"):
+                name = key
+            else:
+                continue
+            if name.startswith("lease_"):
+                yield key, name

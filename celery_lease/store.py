@@ -147,7 +147,7 @@ def create_lease_engine(url: str, **kwargs: Any) -> Engine:
     the pool, and each caller already retries (claims fail closed and are
     re-published, heartbeats retry, completions retry).
     """
-    return create_engine(url, **kwargs)
+    return create_engine(url, hide_parameters=True, **kwargs)
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -258,6 +258,7 @@ class DriverStatement:
             args,
             exc,
             self._dbapi_error,
+            hide_parameters=self.engine.hide_parameters,
             connection_invalidated=invalidated,
             dialect=self.engine.dialect,
         )
@@ -1066,18 +1067,22 @@ class LeaseStore:
                     taken.append(record)
         return taken
 
-    def release_owned_by(self, owner_prefix: str) -> list[RunRecord]:
-        """Hand back every running lease whose owner starts with ``owner_prefix``.
+    def release_owned_by(self, worker_id: str) -> list[RunRecord]:
+        """Hand back every running lease taken by the worker whose id is ``worker_id``.
 
-        Used on a worker's warm shutdown (the prefix is its node name). Each
-        release is guarded like :meth:`release`; the released rows are returned.
+        Used on a worker's cold shutdown. Owners taken inside a worker end in
+        ``.<worker id>`` (a random id per worker, see ``celery_lease.app.worker_id``),
+        so another worker is never touched, even one with the same node name.
+        Each release is guarded like :meth:`release`; the released rows are returned.
         """
+        if not worker_id:
+            raise ValueError("worker_id must not be empty")
         with self._auto.connect() as conn:
             rows = (
                 conn.execute(
                     select(runs).where(
                         runs.c.status == RUNNING,
-                        runs.c.lease_owner.startswith(owner_prefix, autoescape=True),
+                        runs.c.lease_owner.endswith(f".{worker_id}", autoescape=True),
                     )
                 )
                 .mappings()

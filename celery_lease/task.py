@@ -19,7 +19,7 @@ from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps
 from sqlalchemy.exc import SQLAlchemyError
 
-from .app import Runtime, install, runtime_for
+from .app import Runtime, install, runtime_for, shutting_down, worker_id
 from .config import SETTING_NAMES, LeaseConfig
 from .errors import InvalidLeaseKey, LeaseBusy, LeaseError, LeaseLost, RunCancelled, RunFailed
 from .events import emit
@@ -68,10 +68,11 @@ class _Replaced(Ignore):  # type: ignore[misc]
     """``self.replace()`` handed the run's continuation to the replacement."""
 
 
-def new_owner(hostname: str | None = None) -> str:
-    """A fresh, unguessable owner string: ``host:pid:uuid4``."""
+def new_owner(hostname: str | None = None, worker: str | None = None) -> str:
+    """A fresh, unguessable owner: ``host:pid:uuid4`` (``host:pid:uuid4.worker-id`` in a worker)."""
     host = hostname or socket.gethostname()
-    return f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
+    owner = f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
+    return f"{owner}.{worker}" if worker else owner
 
 
 def backoff_delay(config: LeaseConfig, attempt: int) -> float:
@@ -267,11 +268,21 @@ class LeasedTask(Task):  # type: ignore[misc]
     def _run_leased(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         config = self.lease_config()
         run_id = self.run_id_for(args, kwargs)
+        if not self._direct() and shutting_down(self.app):
+            # A worker that is shutting down claims nothing new: hand the
+            # delivery to a worker that stays (a prefetched message, say).
+            emit(
+                "handed_on",
+                run_id,
+                "run %s: worker shutting down, delivery handed on",
+                run_id,
+            )
+            self._reschedule(0.0, LeaseBusy(run_id, 0.0, "worker shutting down"))
         try:
             runtime = runtime_for(self.app, config)
             claim = runtime.store.claim(
                 run_id,
-                new_owner(self.request.hostname),
+                new_owner(self.request.hostname, worker_id(self.app)),
                 task_name=self.name,
                 lease_ms=config.lease_ms,
                 max_attempts=config.max_attempts,
@@ -711,7 +722,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         try:
             runtime.store.release(lease.run_id, lease.owner, lease.attempt)
         except (LeaseError, SQLAlchemyError) as exc:
-            logger.info("celery-lease: release of %s skipped: %s", lease.run_id, exc)
+            logger.info(
+                "celery-lease: release of %s skipped: %s", lease.run_id, describe_exception(exc)
+            )
 
     def _end_quietly(
         self,
@@ -757,7 +770,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         try:
             self.backend.mark_as_revoked(task_id, "cancelled", request=self.request)
         except Exception as exc:
-            logger.warning("celery-lease: could not mark %s revoked: %s", task_id, exc)
+            logger.warning(
+                "celery-lease: could not mark %s revoked: %s", task_id, describe_exception(exc)
+            )
 
     def _concurrency_key(
         self, config: LeaseConfig, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -58,11 +58,13 @@ class Cluster:
         pool: str = "prefork",
         concurrency: int = 2,
         queues: list[str] | None = None,
+        node: str | None = None,
         **env: str,
     ) -> Worker:
         """Start a worker on this cluster and wait until it is ready.
 
-        ``queues`` limits what it consumes (``-Q``); by default the cluster's queue.
+        ``queues`` limits what it consumes (``-Q``; by default the cluster's
+        queue); ``node`` is its node name (``-n``).
         """
         if conf:
             env["CL_CONF"] = json.dumps(conf)
@@ -73,6 +75,7 @@ class Cluster:
             pool=pool,
             concurrency=concurrency,
             extra_args=("-Q", ",".join(queues)) if queues else (),
+            node=node,
         )
         self._workers.append(worker)
         return worker.wait_ready()

@@ -130,6 +130,7 @@ class Worker:
         app: str = "tests.workerapp",
         extra_args: tuple[str, ...] = (),
         command: list[str] | None = None,
+        node: str | None = None,
     ) -> None:
         self.log_path = log_path
         self.name = name
@@ -146,7 +147,7 @@ class Worker:
             "-c",
             str(concurrency),
             "-n",
-            f"{name}@%h",
+            node or f"{name}@%h",
             "-l",
             "INFO",
             "--without-heartbeat",

@@ -9,6 +9,7 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
 from celery_lease import LeaseConfig, LeasedTask
+from celery_lease.config import check_app_settings
 
 INVALID: list[tuple[str, Any]] = [
     ("lease_seconds", -1),
@@ -36,6 +37,7 @@ INVALID: list[tuple[str, Any]] = [
     ("lease_database_url", "not a url"),
     ("lease_database_url", "oracle://scott@db/orcl"),
     ("lease_database_url", ""),
+    ("lease_database_url", "postgresql://u:p@ss:w/rd@db/x"),
 ]
 
 
@@ -95,3 +97,71 @@ def test_invalid_task_option_names_the_key(tmp_path: Any) -> None:
 
     with pytest.raises(ImproperlyConfigured, match="lease_busy_policy"):
         job.lease_config()
+
+
+def test_unknown_lease_key_suggests_the_close_match() -> None:
+    """A misspelled lease_* key is refused with the key it was probably meant to be."""
+    app = Celery("typo", set_as_current=False, broker="memory://")
+    app.conf.lease_secnds = 3
+    with pytest.raises(ImproperlyConfigured, match=r"lease_secnds; did you mean lease_seconds\?"):
+        check_app_settings(app)
+
+
+def test_unknown_key_in_a_celery_namespace_is_named_as_spelled() -> None:
+    """Under config_from_object(namespace="CELERY") the key and hint keep the prefix."""
+
+    class Settings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_LEASE_DATABASE_URL = "sqlite:///x.db"
+        CELERY_LEASE_SECONDS = 12
+        CELERY_LEASE_HEARTBEAT_INTERVL = 2
+        LEASE_UNRELATED = 1  # not in the namespace: not celery-lease's
+
+    app = Celery("django", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    assert (
+        LeaseConfig.from_mapping({"lease_seconds": app.conf.get("lease_seconds")}).lease_seconds
+        == 12
+    )
+    with pytest.raises(
+        ImproperlyConfigured,
+        match="CELERY_LEASE_HEARTBEAT_INTERVL; did you mean CELERY_LEASE_HEARTBEAT_INTERVAL",
+    ):
+        check_app_settings(app)
+    del Settings.CELERY_LEASE_HEARTBEAT_INTERVL
+    good = Celery("django2", set_as_current=False)
+    good.config_from_object(Settings, namespace="CELERY")
+    check_app_settings(good)
+
+
+@pytest.mark.parametrize(
+    "broker", ["redis://cache:6379/0", "rediss://c/0", "amqp://guest@mq//", "sqs://", None]
+)
+def test_default_sqlite_behind_network_broker_is_refused(broker: str | None) -> None:
+    """Without lease_database_url, a broker spanning hosts (or Celery's amqp default) is refused."""
+    app = Celery("net", set_as_current=False, broker=broker)
+    with pytest.raises(ImproperlyConfigured, match="lease_database_url is not set"):
+        check_app_settings(app)
+    app.conf.lease_database_url = "sqlite:///one-host.db"  # explicit: the operator chose it
+    check_app_settings(app)
+
+
+@pytest.mark.parametrize("broker", ["memory://", "filesystem://", "sqla+sqlite:///b.db"])
+def test_default_sqlite_with_a_local_broker_is_fine(broker: str) -> None:
+    """The embedded default (one host) keeps working without any setting."""
+    check_app_settings(Celery("local", set_as_current=False, broker=broker))
+
+
+def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
+    """A misspelled lease_* task option, which Celery would keep silently, is refused."""
+    from celery_lease.app import _check_worker_startup
+
+    app = Celery("opt", set_as_current=False, broker="memory://")
+    app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, lease_secnds=5)
+    def charge(self: LeasedTask) -> None:
+        return None
+
+    with pytest.raises(ImproperlyConfigured, match="unknown option lease_secnds; did you mean"):
+        _check_worker_startup(app, "prefork")

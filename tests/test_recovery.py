@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -73,25 +74,90 @@ def test_kill9_worker_run_recovered_by_sweeper(cluster: Cluster) -> None:
 
 @TWO_SETUPS
 @pytest.mark.timeout(120)
-def test_sigterm_hands_lease_back_well_before_expiry(cluster: Cluster) -> None:
-    """A warm shutdown hands the lease back: another worker takes over far sooner than
-    lease_seconds, and the stopping worker's body is interrupted."""
+def test_warm_shutdown_lets_the_running_body_finish_under_its_lease(cluster: Cluster) -> None:
+    """SIGTERM (warm shutdown) while a body runs: the body finishes on the stopping worker
+    under its lease, attempt 1, and no other worker runs it again; the pool process saw
+    the shutdown (so it would claim nothing new)."""
     timing = {"CL_LEASE_SECONDS": "20", "CL_HEARTBEAT": "1"}
     w1 = cluster.start("w1", **timing)
+    run_id = cluster.send("workerapp.drain", 4.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    cluster.start("w2", **timing)
+    w1.proc.terminate()  # SIGTERM to the main process only: a warm shutdown
+    wait_for(lambda: cluster.effects(run_id, "saw_shutdown"), 10, what="the child to see it")
+    w1.proc.wait(30)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 10, what="the run to succeed")
+    time.sleep(1.0)  # a wrongly handed-back run would be claimed by w2 by now
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1]
+    assert [e.attempt for e in cluster.effects(run_id, "body_end")] == [1]
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 1 and row.lease_owner.startswith("w1@")
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_warm_shutdown_claims_no_new_run(cluster: Cluster) -> None:
+    """A delivery the pool starts during a warm shutdown (kombu's filesystem transport
+    hands the pool a prefetched message) is not claimed by the stopping worker; another
+    worker runs it."""
+    timing = {"CL_LEASE_SECONDS": "20", "CL_HEARTBEAT": "1"}
+    w1 = cluster.start("w1", concurrency=1, **timing)
+    first = cluster.send("workerapp.drain", 3.0)
+    wait_for(lambda: cluster.effects(first, "start"), 30, what="w1 to start the first run")
+    second = cluster.send("workerapp.work", 0.0)
+    time.sleep(1.0)  # w1 prefetches the second message
+    w1.proc.terminate()
+    w1.proc.wait(30)
+    cluster.start("w2", **timing)
+    wait_for(lambda: cluster.status(second) == "succeeded", 30, what="the second run")
+    row = cluster.store.get(second)
+    assert row is not None and row.lease_owner.startswith("w2@")
+    assert f"run {second}: claimed" not in w1.log()
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
+def test_cold_shutdown_hands_lease_back_well_before_expiry(cluster: Cluster) -> None:
+    """SIGQUIT (cold shutdown) stops the body; its lease is handed back at once, so another
+    worker takes over far sooner than lease_seconds, even when the node name is longer
+    than the 120 characters of it that the owner keeps."""
+    timing = {"CL_LEASE_SECONDS": "20", "CL_HEARTBEAT": "1"}
+    long_node = "w1-" + "x" * 130 + "@%h"
+    w1 = cluster.start("w1", node=long_node, **timing)
     run_id = cluster.send("workerapp.spin", 6.0)
     wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
     cluster.start("w2", **timing)
     stopped_at = time.time()
-    w1.proc.terminate()  # SIGTERM to the main process only: a warm shutdown
+    w1.proc.send_signal(signal.SIGQUIT)  # the main process only: a cold shutdown
     takeover = wait_for(
         lambda: [e for e in cluster.effects(run_id, "start") if e.attempt == 2],
-        20,
+        15,
         what="w2 to take the run over",
     )
     assert takeover[0].at - stopped_at < 8.0  # versus a 20 s lease
     w1.proc.wait(30)
     wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="w2 to finish")
     assert [e.attempt for e in cluster.effects(run_id, "body_end")] == [2]
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_workers_sharing_a_node_name_never_release_each_others_leases(
+    cluster: Cluster,
+) -> None:
+    """Two workers started with the same -n: the cold shutdown of one hands back nothing
+    the other holds; the other's body finishes as attempt 1."""
+    timing = {"CL_LEASE_SECONDS": "20", "CL_HEARTBEAT": "1"}
+    cluster.start("w1", node="same@%h", **timing)
+    run_id = cluster.send("workerapp.drain", 4.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    w2 = cluster.start("w2", node="same@%h", **timing)
+    w2.proc.send_signal(signal.SIGQUIT)
+    w2.proc.wait(30)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="w1 to finish")
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1]
+    assert [e.attempt for e in cluster.effects(run_id, "body_end")] == [1]
+    assert "handoff" not in w2.log()
 
 
 @pytest.mark.timeout(90)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from celery_lease.sanitize import MAX_ERROR_LENGTH, describe_exception, safe_url, sanitize
+from tests.cluster import Cluster
+from tests.helpers import Worker, wait_for
 
 SECRETS = [
     ("postgresql+psycopg://billing:Pa55-word@db.internal:5432/pay failed", "Pa55-word"),
@@ -43,3 +49,107 @@ def test_safe_url_hides_password() -> None:
     """Database URLs are logged with the password masked."""
     shown = safe_url("postgresql+psycopg://app:s3cret@127.0.0.1:5432/leases")
     assert "s3cret" not in shown and "127.0.0.1" in shown
+
+
+def test_password_with_at_colon_and_slash_is_redacted_whole() -> None:
+    """A raw @, : or / inside a password does not let any part of it through."""
+    for url in (
+        "postgresql://u:p@ss:w/rd@db.internal/pay",
+        "mysql+pymysql://app:a@b@c:3306/x",
+        "postgresql://user@tenant:pa/ss@db/x",
+    ):
+        shown = safe_url(url)
+        text = sanitize(f"could not connect to {url}: timeout")
+        for part in ("p@ss", "ss:w", "w/rd", "a@b@c", "pa/ss"):
+            assert part not in shown and part not in text
+        assert "***@" in shown
+
+
+_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(name)s: %(message)s"
+_TRIGGERS = {
+    "sqlite": [
+        "CREATE TRIGGER refuse_claim BEFORE INSERT ON celery_lease_runs "
+        "WHEN NEW.task_name = 'workerapp.refused' "
+        "BEGIN SELECT RAISE(ABORT, 'refused by the test trigger'); END"
+    ],
+    "mysql": [
+        "CREATE TRIGGER refuse_claim BEFORE INSERT ON celery_lease_runs FOR EACH ROW BEGIN "
+        "IF NEW.task_name = 'workerapp.refused' THEN SIGNAL SQLSTATE '45000' "
+        "SET MESSAGE_TEXT = 'refused by the test trigger'; END IF; END"
+    ],
+    "postgresql": [
+        "CREATE FUNCTION refuse_claim() RETURNS trigger AS $$ BEGIN "
+        "IF NEW.task_name = 'workerapp.refused' THEN "
+        "RAISE EXCEPTION 'refused by the test trigger'; END IF; RETURN NEW; END $$ "
+        "LANGUAGE plpgsql",
+        "CREATE TRIGGER refuse_claim BEFORE INSERT ON celery_lease_runs "
+        "FOR EACH ROW EXECUTE FUNCTION refuse_claim()",
+    ],
+}
+
+
+def _records_by_logger(log: str) -> list[tuple[str, str]]:
+    """``(logger name, full text)`` of each record in a worker log (tracebacks included)."""
+    records: list[tuple[str, str]] = []
+    head = re.compile(r"^\[[^\]]*\] (?P<name>[\w.]+): ")
+    for line in log.splitlines():
+        match = head.match(line)
+        if match:
+            records.append((match["name"], line))
+        elif records:
+            records[-1] = (records[-1][0], records[-1][1] + "\n" + line)
+    return records
+
+
+@pytest.fixture(params=["sqlite-fs", "pg-redis", "mysql-redis"])
+def scan_cluster(
+    request: pytest.FixtureRequest, tmp_path: Path, workers: list[Worker]
+) -> Iterator[Cluster]:
+    """A cluster on SQLite + filesystem broker, PostgreSQL + Redis, or MySQL + Redis."""
+    if request.param == "sqlite-fs":
+        folder = tmp_path / "broker"
+        (folder / "control").mkdir(parents=True)
+        db_url = request.getfixturevalue("sqlite_url")
+        broker = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+    else:
+        db_url = request.getfixturevalue("pg_url" if request.param == "pg-redis" else "mysql_url")
+        broker = {"CL_BROKER_URL": request.getfixturevalue("redis_url")}
+    c = Cluster(db_url, broker, tmp_path, workers)
+    yield c
+    c.close()
+
+
+@pytest.mark.timeout(120)
+def test_no_planted_secret_in_any_celery_lease_log_line(scan_cluster: Cluster) -> None:
+    """A full failure scenario in a real worker: a body failing with credentials in its
+    error, and a claim refused by the database while the statement's parameters carry
+    task arguments with a card number. No celery_lease record shows either secret."""
+    cluster = scan_cluster
+    with cluster.engine.begin() as conn:
+        for ddl in _TRIGGERS[cluster.engine.dialect.name]:
+            conn.exec_driver_sql(ddl)
+    conf = {
+        "lease_retry_backoff": 0.2,
+        "lease_retry_backoff_max": 0.5,
+        "lease_max_attempts": 2,
+        "worker_log_format": _LOG_FORMAT,
+        "worker_task_log_format": _LOG_FORMAT,
+    }
+    w1 = cluster.start("w1", conf=conf)
+    card = "4111-1111-1111-1111-planted"
+    refused = cluster.send("workerapp.refused", card)
+    failing = cluster.send("workerapp.flaky", 99)
+    wait_for(lambda: cluster.status(failing) == "failed", 40, what="the failing run to end")
+    wait_for(
+        lambda: w1.log().count(f"run {refused}: lease database") >= 2,
+        40,
+        what="the refused claim to be logged twice",
+    )
+    records = _records_by_logger(w1.log())
+    ours = [text for name, text in records if name.startswith("celery_lease")]
+    assert any("refused by the test trigger" in text for text in ours)  # the cause survives
+    assert any("celery-lease: lease database" in text for text in ours)
+    for secret in (card, "s3cr3t-pw", "eyJhbGciOiJIUzI1NiJ9.payload.sig"):
+        leaking = [text for text in ours if secret in text]
+        assert not leaking, leaking
+    assert cluster.effects(refused) == []

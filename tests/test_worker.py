@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, Worker, wait_for
 
 
 @pytest.mark.timeout(90)
@@ -93,25 +93,148 @@ def test_stolen_lease_seen_by_check_within_one_heartbeat(cluster: Cluster) -> No
     cluster.store.complete(run_id, "thief", 2)
 
 
-def test_invalid_setting_refuses_to_start_worker(sqlite_url: str, tmp_path: Path) -> None:
-    """A worker with lease_seconds = -1 exits non-zero, naming the key, before forking."""
-    env = {
-        "CL_LEASE_DB": sqlite_url,
-        "CL_BROKER_URL": "memory://",
-        "CL_BAD_SETTING": "lease_seconds=-1",
-        "PYTHONPATH": str(REPO),
-    }
+def _start_refused(env: dict[str, str], *, shims: bool = False) -> str:
+    """Run ``celery worker`` expecting a refusal; the combined output, checked for form."""
     import os
 
+    path = f"{REPO / 'tests' / 'shims'}{os.pathsep}{REPO}" if shims else str(REPO)
     proc = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.workerapp", "worker", "-P", "prefork"],
-        env={**os.environ, **env},
+        env={**os.environ, "CL_BROKER_URL": "memory://", **env, "PYTHONPATH": path},
         capture_output=True,
         text=True,
         timeout=60,
         cwd=str(REPO),
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "lease_seconds" in output and "ImproperlyConfigured" in output
-    assert "ForkPoolWorker" not in output
+    assert proc.returncode == 1, output
+    refusals = [line for line in proc.stderr.splitlines() if line.startswith("celery-lease:")]
+    assert len(refusals) == 1, output
+    assert refusals[0].startswith("celery-lease: worker not started: ImproperlyConfigured: ")
+    assert "Traceback" not in output
+    assert "ForkPoolWorker" not in output and " ready." not in output
+    return refusals[0]
+
+
+def test_invalid_setting_refuses_to_start_worker(sqlite_url: str) -> None:
+    """A worker with lease_seconds = -1 exits non-zero in one line naming the key, unforked."""
+    line = _start_refused({"CL_LEASE_DB": sqlite_url, "CL_BAD_SETTING": "lease_seconds=-1"})
+    assert "lease_seconds" in line
+
+
+@pytest.mark.timeout(60)
+def test_unknown_lease_key_refuses_to_start_worker(sqlite_url: str) -> None:
+    """A misspelled lease_* key stops the worker, suggesting the close match."""
+    line = _start_refused({"CL_LEASE_DB": sqlite_url, "CL_BAD_SETTING": "lease_secnds=3"})
+    assert "unknown setting lease_secnds; did you mean lease_seconds?" in line
+
+
+@pytest.mark.timeout(60)
+def test_default_sqlite_behind_redis_refuses_to_start_worker() -> None:
+    """No lease_database_url with a Redis broker: per-host SQLite files would not coordinate."""
+    line = _start_refused({"CL_LEASE_DB": "", "CL_BROKER_URL": "redis://127.0.0.1:1/0"})
+    assert "lease_database_url is not set" in line and "redis" in line
+
+
+@pytest.mark.timeout(60)
+def test_missing_sqlite_directory_refuses_to_start_worker(tmp_path: Path) -> None:
+    """A SQLite file in a directory that does not exist stops the worker."""
+    missing = tmp_path / "no-such-dir"
+    line = _start_refused({"CL_LEASE_DB": f"sqlite:///{missing / 'leases.db'}"})
+    assert f"directory {missing} does not exist" in line
+
+
+@pytest.mark.timeout(60)
+def test_unresolvable_host_refuses_to_start_worker() -> None:
+    """A database host that does not resolve stops the worker; the password is masked."""
+    url = "postgresql+psycopg://app:pw-s3cret@lease-db.invalid:5432/app"
+    line = _start_refused({"CL_LEASE_DB": url, "CL_SHIM_NO_DNS": "1"}, shims=True)
+    assert "host 'lease-db.invalid' does not resolve" in line
+    assert "app:***@lease-db.invalid" in line and "pw-s3cret" not in line
+
+
+@pytest.mark.timeout(60)
+def test_missing_driver_names_the_extra() -> None:
+    """Without psycopg installed, the worker says which extra to install, in one line."""
+    url = "postgresql+psycopg://app@127.0.0.1:9/app"
+    line = _start_refused({"CL_LEASE_DB": url, "CL_SHIM_HIDE_MODULE": "psycopg"}, shims=True)
+    assert "pip install 'celery-lease[postgres]'" in line and "psycopg" in line
+
+
+@pytest.mark.timeout(60)
+def test_failed_authentication_refuses_to_start_worker(pg_url: str) -> None:
+    """A role the server does not accept stops the worker instead of retrying forever."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url).set(username="no_such_role", password="pw-s3cret")
+    line = _start_refused({"CL_LEASE_DB": url.render_as_string(hide_password=False)})
+    assert "authentication failed" in line and "no_such_role" in line
+    assert "pw-s3cret" not in line
+
+
+@pytest.mark.timeout(60)
+def test_failed_mysql_authentication_refuses_to_start_worker(mysql_url: str) -> None:
+    """A wrong MySQL/MariaDB password stops the worker; the password is never shown."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(mysql_url).set(password="pw-s3cret")
+    line = _start_refused({"CL_LEASE_DB": url.render_as_string(hide_password=False)})
+    assert "authentication failed" in line and "pw-s3cret" not in line
+
+
+@pytest.mark.timeout(60)
+def test_missing_table_refuses_to_start_worker(pg_url: str) -> None:
+    """A server database without the runs table stops the worker: migrate first."""
+    line = _start_refused({"CL_LEASE_DB": pg_url})
+    assert "no celery_lease_runs table" in line and "lease migrate" in line
+
+
+@pytest.mark.timeout(90)
+def test_transient_outage_at_start_warns_retries_then_starts(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    """Connection refused at start: a few bounded retries with warnings, then the worker
+    starts (tasks fail closed until the database is back); the URL is logged masked."""
+    url = "postgresql+psycopg://app:pw-s3cret@127.0.0.1:9/app?connect_timeout=1"
+    folder = tmp_path / "broker"
+    (folder / "control").mkdir(parents=True)
+    env = {"CL_LEASE_DB": url, "CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+    started = time.monotonic()
+    worker = Worker(env, tmp_path / "w.log", name="w")
+    workers.append(worker)
+    worker.wait_ready(60)
+    log = worker.log()
+    assert "celery-lease: lease database postgresql+psycopg://app:***@127.0.0.1:9/app" in log
+    assert log.count("unreachable at startup, retrying in") >= 2
+    assert "starting anyway" in log
+    assert "pw-s3cret" not in log
+    assert time.monotonic() - started < 45
+
+
+@pytest.mark.parametrize(
+    ("message", "verdict"),
+    [
+        ('could not translate host name "db" to address: Name or service not known', "host"),
+        ('could not translate host name "db": Temporary failure in name resolution', None),
+        ('connection to server at "127.0.0.1", port 9 failed: Connection refused', None),
+        ("connection timeout expired", None),
+        ('FATAL:  password authentication failed for user "app"', "authentication"),
+        ('FATAL:  database "app" does not exist', "database"),
+        ("(1045, \"Access denied for user 'root'@'localhost' (using password: YES)\")", "auth"),
+        ("unable to open database file", "SQLite"),
+    ],
+)
+def test_startup_errors_split_into_permanent_and_transient(
+    message: str, verdict: str | None
+) -> None:
+    """Start-up refuses only problems waiting will not fix; refused connections, timeouts
+    and a failing DNS server are waited out."""
+    from sqlalchemy.exc import OperationalError
+
+    from celery_lease.app import _permanent_problem
+
+    problem = _permanent_problem(OperationalError("SELECT 1", {}, Exception(message)))
+    if verdict is None:
+        assert problem is None
+    else:
+        assert problem is not None and verdict in problem

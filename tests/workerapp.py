@@ -16,6 +16,7 @@ from celery import Celery
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, insert
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
+from celery_lease.app import shutting_down
 
 if os.environ.get("CL_CLOCK_SKEW"):
     # Chaos: this process's wall clock is wrong by CL_CLOCK_SKEW seconds. Leases
@@ -32,7 +33,7 @@ app.conf.update(
     task_acks_late=os.environ.get("CL_ACKS_LATE", "0") == "1",
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
-    lease_database_url=os.environ.get("CL_LEASE_DB"),
+    lease_database_url=os.environ.get("CL_LEASE_DB") or None,
     lease_seconds=float(os.environ.get("CL_LEASE_SECONDS", "30")),
 )
 if os.environ.get("CL_HEARTBEAT"):
@@ -321,3 +322,32 @@ def rated(self: LeasedTask) -> str:
 def on_error(request: Any, exc: Any, traceback: Any, tag: str) -> None:
     """A link_error callback: records that it ran."""
     record(tag, 0, "errback")
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.drain", lease_interrupt=False)
+def drain(self: LeasedTask, seconds: float) -> str:
+    """Run ``seconds`` without checking the lease; record when this process first sees
+    its worker shutting down, then the body's end."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    end = time.monotonic() + seconds
+    seen = False
+    while time.monotonic() < end:
+        if not seen and shutting_down(app):
+            seen = True
+            record(self.lease.run_id, self.lease.attempt, "saw_shutdown")
+        time.sleep(0.02)
+    record(self.lease.run_id, self.lease.attempt, "body_end")
+    return "drained"
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.refused",
+    lease_concurrency_key=lambda card_number: f"card-{card_number}",
+)
+def refused(self: LeasedTask, card_number: str) -> str:
+    """A task whose claim the log-scan test makes the database refuse (a trigger); its
+    arguments reach the claim's SQL parameters (payload and concurrency key)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return "unreachable"
