@@ -88,11 +88,14 @@ def test_chord_fires_once_after_kill9_of_header_steps(cluster: Cluster) -> None:
     routes = {"task_routes": {"workerapp.step": {"queue": steps}}}
     cluster.producer.conf.task_routes = routes["task_routes"]
     conf = {**FAST, **routes}
-    w1 = cluster.start("w1", conf=conf, queues=[steps], **SHORT)
+    # Three pool processes: every header step has started (claimed) when w1 is
+    # killed. A message prefetched but not started dies with it when there is no
+    # acks_late redelivery: Celery's at-most-once, with no row to recover from.
+    w1 = cluster.start("w1", conf=conf, queues=[steps], concurrency=3, **SHORT)
     cluster.start("w2", conf=conf, queues=[cluster.queue], **SHORT)
     header = [sig(cluster, "step", i, seconds=3.0) for i in range(3)]
     res = chord(header, sig(cluster, "tsum", tag=tag)).apply_async()
-    wait_for(lambda: len(cluster.effects_of_kind("start")) >= 2, 30, what="header steps")
+    wait_for(lambda: len(cluster.effects_of_kind("start")) >= 3, 30, what="header steps")
     w1.kill9()
     cluster.start("w3", conf=conf, queues=[steps], **SHORT)
     cluster.start_beat({"lease_sweep_interval": 0.5, **conf})
