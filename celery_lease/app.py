@@ -13,6 +13,7 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.exc import SQLAlchemyError
 
 from .config import LeaseConfig
+from .errors import LeaseDatabaseError
 from .heartbeat import Heartbeat
 from .sanitize import describe_exception, safe_url
 from .store import LeaseStore, RunNotFound
@@ -104,7 +105,7 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
                     f"lease_database_url ({safe_url(config.database_url)}) has no "
                     "celery_lease_runs table: run `celery -A <app> lease migrate` first"
                 )
-        except SQLAlchemyError as exc:
+        except (LeaseDatabaseError, SQLAlchemyError) as exc:
             # Fail closed per task, not per worker: tasks retry until it is back.
             logger.warning(
                 "celery-lease: lease database %s unreachable at startup: %s",
@@ -139,7 +140,7 @@ def _on_worker_shutting_down(sender: Any = None, **kwargs: Any) -> None:
         try:
             store = runtime_for(app, config).store
             released = store.release_owned_by(f"{sender}:")
-        except SQLAlchemyError as exc:
+        except (LeaseDatabaseError, SQLAlchemyError) as exc:
             logger.warning(
                 "celery-lease: could not hand back leases at shutdown: %s",
                 describe_exception(exc),
