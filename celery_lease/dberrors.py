@@ -82,12 +82,28 @@ class PostgresErrors:
         "42": _p("bad_sql"),
     }
 
+    #: libpq reports connection failures without a SQLSTATE: the message decides.
+    messages: ClassVar[tuple[tuple[str, Classification], ...]] = (
+        ("password authentication failed", _p("auth_failed")),
+        ("no pg_hba.conf entry", _p("auth_failed")),
+        ('role "', _p("auth_failed")),  # role "x" does not exist
+        ('database "', _p("missing_database")),  # database "x" does not exist
+        ("connection refused", _t("connection_refused")),
+        ("failed to resolve host", _t("unknown_host")),
+        ("could not translate host name", _t("unknown_host")),
+    )
+
     def classify(self, orig: BaseException) -> Classification | None:
-        """The class of the driver error, or None when it has no SQLSTATE."""
+        """The class of the driver error by SQLSTATE, else by libpq's connection message."""
         state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-        if not isinstance(state, str) or not state:
-            return None
-        return self.codes.get(state) or self.classes.get(state[:2])
+        if isinstance(state, str) and state:
+            return self.codes.get(state) or self.classes.get(state[:2])
+        text = str(orig).lower()
+        if "connection" in text or "host" in text:
+            for fragment, classification in self.messages:
+                if fragment in text:
+                    return classification
+        return None
 
 
 class MySQLErrors:
