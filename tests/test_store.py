@@ -377,9 +377,11 @@ def test_hot_path_after_the_server_dropped_its_connections(store: LeaseStore) ->
 def test_over_long_run_id_is_refused_before_any_sql(store: LeaseStore) -> None:
     """A run id longer than the column is a LeaseInputError raised before any statement
     (PostgreSQL used to answer 'value too long', retried forever as unreachable)."""
-    with driver_statements(store.engines) as seen:
-        with pytest.raises(LeaseInputError, match="run_id: is 300 characters") as refused:
-            claim(store, "x" * 300, "A")
+    with (
+        driver_statements(store.engines) as seen,
+        pytest.raises(LeaseInputError, match="run_id: is 300 characters") as refused,
+    ):
+        claim(store, "x" * 300, "A")
     assert refused.value.failure_code == "lease_input_invalid:run_id"
     assert seen == []
     assert claim(store, "r1", "A").outcome == "claimed"  # the store is still usable
