@@ -35,7 +35,7 @@ from .errors import (
 from .events import emit
 from .lease import Lease, LeaseInterrupt, _current, current_lease
 from .sanitize import describe_exception
-from .schema import CANCELLED, FAILED, SUCCEEDED
+from .schema import CANCELLED, FAILED, RUNNING, SUCCEEDED
 from .store import ClaimResult
 
 logger = logging.getLogger(__name__)
@@ -497,7 +497,9 @@ class LeasedTask(Task):  # type: ignore[misc]
         spent = self._db_errors_spent()
         transient = isinstance(exc, LeaseDatabaseError) and exc.transient
         local = request.called_directly or request.is_eager
-        if transient and spent < CLAIM_DB_RETRIES and not local:
+        if transient and local:
+            raise exc  # a plain call: the caller decides; the row is not touched
+        if transient and spent < CLAIM_DB_RETRIES:
             delay = backoff_delay(config, spent + 1)
             emit(
                 "claim_error",
@@ -523,11 +525,13 @@ class LeasedTask(Task):  # type: ignore[misc]
                     error=describe_exception(exc),
                 )
             except (LeaseError, SQLAlchemyError) as end_exc:
-                logger.warning(
-                    "celery-lease: run %s could not be marked failed: %s",
+                emit(
+                    "fail_error",
+                    run_id,
+                    "run %s: could not record failure: %s",
                     run_id,
                     describe_exception(end_exc),
-                    extra={"lease_event": "claim_failed", "run_id": run_id},
+                    level=logging.WARNING,
                 )
         emit(
             "claim_failed",
@@ -540,7 +544,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             level=logging.ERROR,
             failure_code=exc.failure_code,
         )
-        if status == "running" and not local:
+        if status == RUNNING and not local:
             raise Ignore()  # held alive by another worker, which owns the result
         raise exc
 
