@@ -129,26 +129,3 @@ def test_transient_claim_errors_end_the_run_failed_when_spent(
     assert len(claims) == 4 and ran == []  # the first try and 3 re-publications
     row = store.get(result.id)
     assert row is not None and (row.status, row.failure_code) == ("failed", "lease_db_unavailable")
-
-
-@pytest.mark.timeout(60)
-def test_over_long_lease_key_fails_the_delivery_at_once(app: Celery) -> None:
-    """A lease_key of 300 characters fails the delivery with LeaseInputError before any SQL;
-    it used to be re-published forever ('value too long' on PostgreSQL)."""
-    from celery_lease.errors import LeaseInputError
-
-    @app.task(
-        base=LeasedTask,
-        bind=True,
-        shared=False,
-        name="inproc.long_key",
-        lease_key=lambda n: "k" * n,
-    )
-    def long_key(self: LeasedTask, n: int) -> int:
-        return n
-
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
-        result = long_key.delay(300)
-        with pytest.raises(LeaseInputError, match="run_id: is 300 characters"):
-            result.get(timeout=20)
-        assert long_key.delay(20).get(timeout=20) == 20
