@@ -6,7 +6,16 @@ heartbeat thread, and recorded with a statement guarded by owner and attempt.
 
 from .app import install, store_for
 from .config import LeaseConfig
-from .errors import InvalidLeaseKey, LeaseBusy, LeaseError, LeaseLost, RunCancelled, RunFailed
+from .errors import (
+    InvalidLeaseKey,
+    LeaseBusy,
+    LeaseDatabaseError,
+    LeaseError,
+    LeaseInputError,
+    LeaseLost,
+    RunCancelled,
+    RunFailed,
+)
 from .lease import Lease, current_lease
 from .store import LeaseStore
 from .task import LeasedTask
@@ -16,7 +25,9 @@ __all__ = [
     "Lease",
     "LeaseBusy",
     "LeaseConfig",
+    "LeaseDatabaseError",
     "LeaseError",
+    "LeaseInputError",
     "LeaseLost",
     "LeaseStore",
     "LeasedTask",

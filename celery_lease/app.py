@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from .config import LeaseConfig, check_app_settings, check_task_options
+from .errors import LeaseDatabaseError
 from .heartbeat import Heartbeat
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import LeaseStore, RunNotFound
@@ -216,8 +217,9 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
                 f"installed ({describe_exception(exc, 200)}): pip install "
                 f"'celery-lease[{extra}]'"
             ) from None
-        except SQLAlchemyError as exc:
-            problem = _permanent_problem(exc)
+        except (LeaseDatabaseError, SQLAlchemyError) as exc:
+            driver_error = exc.__cause__ if isinstance(exc, LeaseDatabaseError) else exc
+            problem = _permanent_problem(driver_error if driver_error is not None else exc)
             if problem is not None:
                 raise ImproperlyConfigured(f"lease_database_url ({shown}): {problem}") from None
             if time.monotonic() + delay > deadline:
@@ -277,7 +279,7 @@ _PERMANENT_MYSQL_CODES = {
 }
 
 
-def _permanent_problem(exc: SQLAlchemyError) -> str | None:
+def _permanent_problem(exc: BaseException) -> str | None:
     """What is permanently wrong, for a start-up error that waiting will not fix, else None.
 
     Connection refused and timeouts are transient (a database restarting);
@@ -335,7 +337,7 @@ def _on_worker_shutting_down(sender: Any = None, how: str = "Warm", **kwargs: An
                 continue
             try:
                 released = runtime.store.release_owned_by(instance.id)
-            except SQLAlchemyError as exc:
+            except (LeaseDatabaseError, SQLAlchemyError) as exc:
                 logger.warning(
                     "celery-lease: could not hand back leases at shutdown: %s",
                     describe_exception(exc),

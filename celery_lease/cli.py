@@ -26,7 +26,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .config import LeaseConfig
-from .errors import LeaseError
+from .errors import LeaseDatabaseError, LeaseError
 from .sanitize import safe_url, sanitize
 from .schema import CANCELLED, RUNNING, STATUSES, TABLE_NAME
 from .store import LeaseStore, RunNotFound, RunRecord
@@ -98,6 +98,9 @@ def _operator_errors(fun: F) -> F:
             raise _Failure(sanitize(str(exc))) from None
         except RunNotFound as exc:
             raise _Failure(f"no run with id {exc.run_id!r}") from None
+        except LeaseDatabaseError as exc:
+            url = click.get_current_context().meta.get(_URL_KEY, "?")
+            raise _Failure(f"lease database {url}: {sanitize(str(exc))}") from None
         except LeaseError as exc:
             raise _Failure(sanitize(str(exc))) from None
         except SQLAlchemyError as exc:

@@ -25,6 +25,16 @@ SUPPORTED_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb")
 
 DEFAULT_SQLITE_FILE = "celery-lease.sqlite3"
 
+DAY = 86_400.0
+#: Upper bounds, checked at startup. ``lease_seconds`` must also fit the 32-bit
+#: ``lease_ms`` column (24.8 days); a week is the sane ceiling for a lease that a
+#: heartbeat renews anyway, and the longest a crashed worker's run would wait.
+MAX_LEASE_SECONDS = 7 * DAY
+MAX_BACKOFF_SECONDS = DAY
+MAX_SWEEP_INTERVAL = DAY
+MAX_ATTEMPTS = 10_000
+MAX_CONCURRENCY = 100_000
+
 KeyFunc = Callable[..., Any]
 
 #: Setting names a task may override with a class attribute of the same name.
@@ -85,7 +95,7 @@ class LeaseConfig:
     @classmethod
     def from_mapping(cls, conf: Mapping[str, Any]) -> LeaseConfig:
         """Validate ``lease_*`` keys from any mapping (``app.conf``, a dict)."""
-        lease_seconds = _positive(conf, "lease_seconds", 30.0)
+        lease_seconds = _positive(conf, "lease_seconds", 30.0, MAX_LEASE_SECONDS)
         heartbeat = conf.get("lease_heartbeat_interval")
         heartbeat_interval = (
             lease_seconds / 3.0
@@ -97,8 +107,8 @@ class LeaseConfig:
                 f"lease_heartbeat_interval ({heartbeat_interval!r}) must be shorter than "
                 f"lease_seconds ({lease_seconds!r}): a lease would expire between renewals"
             )
-        backoff = _positive(conf, "lease_retry_backoff", 2.0)
-        backoff_max = _positive(conf, "lease_retry_backoff_max", 600.0)
+        backoff = _positive(conf, "lease_retry_backoff", 2.0, MAX_BACKOFF_SECONDS)
+        backoff_max = _positive(conf, "lease_retry_backoff_max", 600.0, MAX_BACKOFF_SECONDS)
         if backoff_max < backoff:
             raise ImproperlyConfigured(
                 f"lease_retry_backoff_max ({backoff_max!r}) must be >= "
@@ -106,12 +116,12 @@ class LeaseConfig:
             )
         max_concurrency = conf.get("lease_max_concurrency")
         if max_concurrency is not None:
-            max_concurrency = _positive_int(conf, "lease_max_concurrency")
+            max_concurrency = _positive_int(conf, "lease_max_concurrency", None, MAX_CONCURRENCY)
         return cls(
             database_url=_database_url(conf.get("lease_database_url")),
             lease_seconds=lease_seconds,
             heartbeat_interval=heartbeat_interval,
-            max_attempts=_positive_int(conf, "lease_max_attempts", 5),
+            max_attempts=_positive_int(conf, "lease_max_attempts", 5, MAX_ATTEMPTS),
             retry_backoff=backoff,
             retry_backoff_max=backoff_max,
             busy_policy=_choice(conf, "lease_busy_policy", BUSY_POLICIES),
@@ -121,7 +131,7 @@ class LeaseConfig:
             namespace=_name(conf, "lease_namespace"),
             concurrency_key=_callable(conf, "lease_concurrency_key"),
             max_concurrency=max_concurrency,
-            sweep_interval=_positive(conf, "lease_sweep_interval", 60.0),
+            sweep_interval=_positive(conf, "lease_sweep_interval", 60.0, MAX_SWEEP_INTERVAL),
         )
 
     @classmethod
@@ -178,19 +188,27 @@ def _number(conf: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _positive(conf: Mapping[str, Any], key: str, default: float) -> float:
+def _positive(
+    conf: Mapping[str, Any], key: str, default: float, maximum: float | None = None
+) -> float:
     value = _number(conf, key, default)
     if not value > 0 or value != value or value == float("inf"):
         raise ImproperlyConfigured(f"{key} must be a positive, finite number, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{key} must be at most {maximum:g} seconds, got {value!r}")
     return value
 
 
-def _positive_int(conf: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _positive_int(
+    conf: Mapping[str, Any], key: str, default: int | None = None, maximum: int | None = None
+) -> int:
     value = conf.get(key, default)
     if value is None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ImproperlyConfigured(f"{key} must be an integer >= 1, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{key} must be at most {maximum}, got {value!r}")
     return value
 
 

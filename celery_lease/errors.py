@@ -112,3 +112,60 @@ class RunFailed(LeaseError):
 
     def __reduce__(self) -> tuple[type[RunFailed], tuple[str, str | None, str | None]]:
         return (type(self), (self.run_id, self.failure_code, self.last_error))
+
+
+DB_UNAVAILABLE_CODE = "lease_db_unavailable"
+DB_ERROR_CODE = "lease_db_error"
+
+
+class LeaseDatabaseError(LeaseError):
+    """The lease database refused or failed a statement; see :mod:`celery_lease.dberrors`.
+
+    ``transient`` says whether the same statement may succeed later (a
+    disconnect, a timeout, a deadlock) or never will (a value too long, a
+    missing table). ``cause`` is a short stable name such as ``deadlock`` or
+    ``data_too_long``. ``failure_code`` is what a run ended by this error
+    records: ``lease_db_unavailable`` for transient errors once their retries
+    are spent, ``lease_db_error:<cause>`` for permanent ones. The driver's
+    exception is ``__cause__``.
+    """
+
+    code = DB_ERROR_CODE
+
+    def __init__(self, message: str, transient: bool = False, cause: str = "unknown") -> None:
+        self.transient = transient
+        self.cause = cause
+        self.detail = message
+        # args are the constructor's, so Celery's result backend rebuilds it whole.
+        super().__init__(message, transient, cause)
+
+    @property
+    def failure_code(self) -> str:
+        """``lease_db_unavailable`` (transient) or ``lease_db_error:<cause>`` (permanent)."""
+        return DB_UNAVAILABLE_CODE if self.transient else f"{DB_ERROR_CODE}:{self.cause}"[:64]
+
+    def __str__(self) -> str:
+        return f"{self.failure_code}: {self.detail}"
+
+
+class LeaseInputError(LeaseError, ValueError):
+    """A value cannot be stored in the run row (too long, too large, out of range).
+
+    Raised before any SQL runs. ``field`` names the value (``run_id``,
+    ``payload``, ``lease_ms``...); ``failure_code`` is ``lease_input_invalid:<field>``.
+    """
+
+    code = "lease_input_invalid"
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.detail = message
+        super().__init__(field, message)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.field}: {self.detail}"
+
+    @property
+    def failure_code(self) -> str:
+        """``lease_input_invalid:<field>``."""
+        return f"{self.code}:{self.field}"[:64]

@@ -150,7 +150,7 @@ class LeaseMetrics:
             self.cancelled.inc()
         elif event == "duplicate_dropped":
             self.duplicates.inc()
-        elif event in ("claim_error", "fail_error"):
+        elif event in ("claim_error", "claim_failed", "fail_error"):
             self.db_errors.labels(stage=event.partition("_")[0]).inc()
         elif event == "heartbeat":
             seconds = fields.get("seconds")

@@ -21,9 +21,12 @@ from sqlalchemy import (
     Table,
     Text,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
+
+from .errors import LeaseInputError
 
 QUEUED = "queued"
 RUNNING = "running"
@@ -36,6 +39,18 @@ STATUSES = (QUEUED, RUNNING, RETRYING, SUCCEEDED, FAILED, CANCELLED)
 TERMINAL_STATUSES = frozenset({SUCCEEDED, FAILED, CANCELLED})
 
 TABLE_NAME = "celery_lease_runs"
+
+#: Longest run id (and task name, owner, concurrency key) the columns hold.
+MAX_ID_LENGTH = 255
+#: Largest ``lease_ms`` the 32-bit column holds (about 24.8 days).
+MAX_LEASE_MS = 2**31 - 1
+#: Largest stored message, in bytes. Every dialect's column holds more (MySQL
+#: gets ``LONGBLOB``); the bound keeps one claim below MySQL's default
+#: ``max_allowed_packet`` (16 MiB on MariaDB), whose breach looks like a disconnect.
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+#: The stored message's type: MySQL's plain ``BLOB`` stops at 64 KiB.
+PayloadType = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 metadata = MetaData()
 
@@ -61,7 +76,7 @@ runs = Table(
     # The Celery task id of the delivery that claimed the run last: the id whose
     # result the run's body records. Deliveries under other ids are duplicates.
     Column("task_id", String(255), nullable=True),
-    Column("payload", LargeBinary, nullable=True),
+    Column("payload", PayloadType, nullable=True),
     Column("payload_content_type", String(64), nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
@@ -97,4 +112,57 @@ def _postgresql_now(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str
 @compiles(db_now_ms, "mysql")
 @compiles(db_now_ms, "mariadb")
 def _mysql_now(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str:
-    return "CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)"
+    # UTC_TIMESTAMP, not NOW(): UNIX_TIMESTAMP(NOW()) converts through the
+    # session time zone, which under daylight saving repeats an hour (the
+    # clock runs an hour behind, then jumps). Both operands are DATETIMEs,
+    # so no time zone is applied at all.
+    return (
+        "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
+        " AS SIGNED)"
+    )
+
+
+def check_run_id(run_id: object, field: str = "run_id") -> str:
+    """``run_id`` if the ``id`` column can hold it, else :class:`LeaseInputError`.
+
+    Call it on the final run id (after any scoping of ``lease_key``) so a bad
+    key is a clear error at call time, before any SQL runs.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise LeaseInputError(field, f"must be a non-empty string, got {type(run_id).__name__}")
+    if len(run_id) > MAX_ID_LENGTH:
+        raise LeaseInputError(
+            field, f"is {len(run_id)} characters long; at most {MAX_ID_LENGTH} fit the column"
+        )
+    return run_id
+
+
+def check_claim_inputs(
+    *,
+    run_id: str,
+    task_name: str,
+    owner: str,
+    lease_ms: int,
+    max_attempts: int,
+    concurrency_key: str | None,
+    payload: bytes | None,
+    task_id: str | None = None,
+) -> None:
+    """Raise :class:`LeaseInputError` for any claim value its column cannot hold."""
+    check_run_id(run_id)
+    check_run_id(task_name, "task_name")
+    check_run_id(owner, "owner")
+    if concurrency_key is not None:
+        check_run_id(concurrency_key, "concurrency_key")
+    if task_id is not None:
+        check_run_id(task_id, "task_id")
+    if not 1 <= lease_ms <= MAX_LEASE_MS:
+        raise LeaseInputError("lease_ms", f"{lease_ms} is outside 1..{MAX_LEASE_MS}")
+    if not 1 <= max_attempts <= MAX_LEASE_MS:
+        raise LeaseInputError("max_attempts", f"{max_attempts} is outside 1..{MAX_LEASE_MS}")
+    if payload is not None and len(payload) > MAX_PAYLOAD_BYTES:
+        raise LeaseInputError(
+            "payload",
+            f"the task's serialized arguments are {len(payload)} bytes; at most "
+            f"{MAX_PAYLOAD_BYTES} are stored (pass a reference, not the data)",
+        )

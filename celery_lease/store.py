@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Iterable
-from typing import Any, Literal
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar, cast
 
 from sqlalchemy import (
     Connection,
     Engine,
     Integer,
-    LargeBinary,
     String,
     and_,
     bindparam,
@@ -26,6 +28,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    insert,
     inspect,
     or_,
     select,
@@ -33,9 +36,10 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from . import dberrors
 from .errors import LeaseError, LeaseLost
 from .schema import (
     CANCELLED,
@@ -45,6 +49,8 @@ from .schema import (
     RUNNING,
     SUCCEEDED,
     TERMINAL_STATUSES,
+    PayloadType,
+    check_claim_inputs,
     db_now_ms,
     metadata,
     runs,
@@ -57,11 +63,77 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: isolation-level switch (SQLAlchemy's costs a PRAGMA at check-out and check-in).
 SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
 
+#: How many times one claim call re-runs after losing to a concurrent claim
+#: (deadlock, serialization failure, duplicate insert) before reporting busy.
+CLAIM_CONTENTION_TRIES = 8
+
 ClaimOutcome = Literal["claimed", "busy", "finished"]
 
 #: A terminal run keeps no stored message: task arguments are often personal data.
 _CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
 LeaseKey = tuple[str, str, int]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _db_errors(method: F) -> F:
+    """Raise SQLAlchemy and driver errors of a store method as :class:`LeaseDatabaseError`.
+
+    Classified by :func:`celery_lease.dberrors.classify` (transient or
+    permanent, and the cause); the driver's exception is kept as ``__cause__``.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: LeaseStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except SQLAlchemyError as exc:
+            raise dberrors.wrap(exc, self.dialect) from exc
+
+    return cast(F, wrapper)
+
+
+class _KeyLock:
+    """How a dialect serializes the claims sharing one concurrency key, inside the
+    claim's transaction. SQLite: ``BEGIN IMMEDIATE`` already holds the write lock."""
+
+    def acquire(self, conn: Connection, key: str) -> bool:
+        """Take the key's lock; False means another claimer holds it (report busy)."""
+        return True
+
+    def count_live(self, query: Any) -> Any:
+        """The statement counting the key's live leases (as a locking read where needed)."""
+        return query
+
+
+class _PostgresKeyLock(_KeyLock):
+    """A transaction-scoped advisory try-lock on the key's hash."""
+
+    def acquire(self, conn: Connection, key: str) -> bool:
+        """Try-lock: a holder frozen inside this short transaction must not stall
+        every other claim on the key; they report busy instead."""
+        return bool(
+            conn.execute(
+                select(func.pg_try_advisory_xact_lock(func.hashtextextended(key, 0)))
+            ).scalar()
+        )
+
+
+class _MySQLKeyLock(_KeyLock):
+    """The count itself is a locking read (``FOR UPDATE``): InnoDB's next-key locks on
+    the key's ``running`` index range block any other claim from adding a live
+    lease to it until this transaction ends. Two claimers that both found the range
+    empty deadlock on their inserts; the loser is retried by the claim."""
+
+    def count_live(self, query: Any) -> Any:
+        """The count as ``SELECT .. FOR UPDATE``."""
+        return query.with_for_update()
+
+
+_KEY_LOCKS: dict[str, _KeyLock] = {
+    "postgresql": _PostgresKeyLock(),
+    "mysql": _MySQLKeyLock(),
+    "mariadb": _MySQLKeyLock(),
+}
 
 
 class RunNotFound(LeaseError):
@@ -288,6 +360,7 @@ class LeaseStore:
             self._auto = autocommit_engine or engine.execution_options(**{SQLITE_AUTOCOMMIT: True})
         else:
             self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._key_lock = _KEY_LOCKS.get(self.dialect, _KeyLock())
         self._upsert = self.dialect in ("sqlite", "postgresql")
         self._returning = self.dialect in ("sqlite", "postgresql")
         # The hot path's two statements are compiled once and run at the driver
@@ -337,10 +410,12 @@ class LeaseStore:
 
     # -- schema ---------------------------------------------------------------
 
+    @_db_errors
     def create_schema(self) -> None:
         """Create the runs table if missing (the embedded default; elsewhere use migrations)."""
         metadata.create_all(self.engine, checkfirst=True)
 
+    @_db_errors
     def has_schema(self) -> bool:
         """True when the runs table exists."""
         return bool(inspect(self.engine).has_table(runs.name))
@@ -352,6 +427,7 @@ class LeaseStore:
 
     # -- claim ----------------------------------------------------------------
 
+    @_db_errors
     def claim(
         self,
         run_id: str,
@@ -376,6 +452,16 @@ class LeaseStore:
         the count and the claim happen under one lock on the key. ``task_id``
         is the claiming delivery's Celery task id, recorded as the run's own.
         """
+        check_claim_inputs(
+            run_id=run_id,
+            task_name=task_name,
+            owner=owner,
+            lease_ms=lease_ms,
+            max_attempts=max_attempts,
+            concurrency_key=concurrency_key,
+            payload=payload,
+            task_id=task_id,
+        )
         values = {
             "id": run_id,
             "task_name": task_name,
@@ -389,15 +475,41 @@ class LeaseStore:
             "payload": payload,
             "payload_content_type": payload_content_type,
         }
-        if max_concurrency is not None and concurrency_key is not None:
-            limited = self._claim_limited(values, lease_ms, max_attempts, max_concurrency)
+        limit = max_concurrency if concurrency_key is not None else None
+        for tries in range(1, CLAIM_CONTENTION_TRIES + 1):
+            try:
+                return self._claim_once(values, lease_ms, max_attempts, limit)
+            except SQLAlchemyError as exc:
+                found = dberrors.classify(exc, self.dialect)
+                if found.cause not in dberrors.CLAIM_CONTENTION:
+                    raise
+                if tries == CLAIM_CONTENTION_TRIES:
+                    logger.info(
+                        "celery-lease: claim of %s kept losing to concurrent claims (%s)",
+                        run_id,
+                        found.cause,
+                        extra={"lease_event": "claim_contention", "run_id": run_id},
+                    )
+                    break
+            # Jittered, growing pause: the winner usually commits within it.
+            time.sleep(random.uniform(0, 0.002 * 2**tries))
+        return ClaimResult("busy", run_id, owner, 0, QUEUED, 0.05, reason="race")
+
+    def _claim_once(
+        self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int | None
+    ) -> ClaimResult:
+        """One claim attempt (see :meth:`claim`); contention errors propagate."""
+        run_id, owner = values["id"], values["lease_owner"]
+        if limit is not None:
+            limited = self._claim_limited(values, lease_ms, max_attempts, limit)
             if isinstance(limited, ClaimResult):
                 return limited
             row = limited
         elif self._upsert:
             row = self._claim_upsert(values, lease_ms, max_attempts)
         else:
-            row = self._claim_locked(values, lease_ms, max_attempts)
+            with self.engine.begin() as conn:
+                row = self._claim_locked(conn, values, lease_ms, max_attempts)
         if row is not None:
             return ClaimResult("claimed", run_id, owner, row[0], RUNNING, 0.0, row[1])
         return self._claim_refused(run_id, owner, max_attempts)
@@ -465,7 +577,7 @@ class LeaseStore:
             "max_attempts": max_attempts,
             "concurrency_key": bindparam("p_concurrency_key", type_=String),
             "task_id": bindparam("p_task_id", type_=String),
-            "payload": bindparam("p_payload", type_=LargeBinary),
+            "payload": bindparam("p_payload", type_=PayloadType),
             "payload_content_type": bindparam("p_payload_content_type", type_=String),
         }
         return (
@@ -512,39 +624,32 @@ class LeaseStore:
     ) -> ClaimResult | tuple[int, int] | None:
         """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
 
-        PostgreSQL: a transaction-scoped advisory lock on the key. SQLite: the
-        database write lock taken by ``BEGIN IMMEDIATE``. MySQL: the key's rows
-        locked ``FOR UPDATE``.
+        The count and the claim run in one transaction, under the dialect's
+        key lock (:class:`_KeyLock`): PostgreSQL a transaction-scoped advisory
+        try-lock, SQLite the write lock of ``BEGIN IMMEDIATE``, MySQL the count
+        as a locking read.
         """
         key = values["concurrency_key"]
         now = db_now_ms()
         with self.engine.begin() as conn:
-            if self.dialect == "postgresql":
-                # try-lock: a holder frozen inside this short transaction must not
-                # stall every other claim on the key; they report busy instead.
-                locked = conn.execute(
-                    select(func.pg_try_advisory_xact_lock(func.hashtextextended(key, 0)))
-                ).scalar()
-                if not locked:
-                    return ClaimResult(
-                        "busy",
-                        values["id"],
-                        values["lease_owner"],
-                        0,
-                        RUNNING,
-                        0.5,
-                        reason="concurrency",
-                    )
-            elif self.dialect != "sqlite":
-                conn.execute(
-                    select(runs.c.id).where(runs.c.concurrency_key == key).with_for_update()
+            if not self._key_lock.acquire(conn, key):
+                return ClaimResult(
+                    "busy",
+                    values["id"],
+                    values["lease_owner"],
+                    0,
+                    RUNNING,
+                    0.5,
+                    reason="concurrency",
                 )
             live = conn.execute(
-                select(func.count(), func.min(runs.c.lease_expires_at - now)).where(
-                    runs.c.concurrency_key == key,
-                    runs.c.status == RUNNING,
-                    runs.c.lease_expires_at > now,
-                    runs.c.id != values["id"],
+                self._key_lock.count_live(
+                    select(func.count(), func.min(runs.c.lease_expires_at - now)).where(
+                        runs.c.concurrency_key == key,
+                        runs.c.status == RUNNING,
+                        runs.c.lease_expires_at > now,
+                        runs.c.id != values["id"],
+                    )
                 )
             ).one()
             if int(live[0]) >= limit:
@@ -562,7 +667,7 @@ class LeaseStore:
                 )
             if self._upsert:
                 return self._claim_upsert(values, lease_ms, max_attempts, conn)
-        return self._claim_locked(values, lease_ms, max_attempts)
+            return self._claim_locked(conn, values, lease_ms, max_attempts)
 
     def _record_waiting(self, conn: Connection, values: dict[str, Any], wait_ms: int) -> None:
         """Record a run waiting for a concurrency slot as ``queued`` (with its arguments).
@@ -591,8 +696,6 @@ class LeaseStore:
                 )
             )
             return
-        from sqlalchemy import insert
-
         changed = conn.execute(
             update(runs).where(runs.c.id == values["id"], runs.c.status == QUEUED).values(bump)
         ).rowcount
@@ -601,40 +704,35 @@ class LeaseStore:
             conn.execute(insert(runs).values(waiting))
 
     def _claim_locked(
-        self, values: dict[str, Any], lease_ms: int, max_attempts: int
+        self, conn: Connection, values: dict[str, Any], lease_ms: int, max_attempts: int
     ) -> tuple[int, int] | None:
-        """The same claim as one short transaction with a row lock (MySQL)."""
-        from sqlalchemy import insert
+        """The same claim with a row lock, inside the caller's transaction (MySQL).
 
-        for _ in range(3):
-            try:
-                with self.engine.begin() as conn:
-                    current = conn.execute(
-                        select(runs.c.attempt).where(runs.c.id == values["id"]).with_for_update()
-                    ).first()
-                    if current is None:
-                        conn.execute(insert(runs).values(self._insert_values(values, lease_ms)))
-                        attempt = 1
-                    else:
-                        changed = conn.execute(
-                            update(runs)
-                            .where(runs.c.id == values["id"], self._claimable(max_attempts))
-                            .values(
-                                self._takeover_values(
-                                    values["lease_owner"], lease_ms, max_attempts, values
-                                )
-                            )
-                        ).rowcount
-                        if changed != 1:
-                            return None
-                        attempt = int(current[0]) + 1
-                    expires = conn.execute(
-                        select(runs.c.lease_expires_at).where(runs.c.id == values["id"])
-                    ).scalar_one()
-                    return attempt, int(expires)
-            except IntegrityError:
-                continue  # another worker inserted the row first: try the takeover path
-        return None
+        Concurrent first claims of one id can deadlock (both hold the gap lock
+        of the missing row) or collide on the insert; both errors propagate to
+        :meth:`claim`, which retries them as contention.
+        """
+        current = conn.execute(
+            select(runs.c.attempt).where(runs.c.id == values["id"]).with_for_update()
+        ).first()
+        if current is None:
+            conn.execute(insert(runs).values(self._insert_values(values, lease_ms)))
+            attempt = 1
+        else:
+            changed = conn.execute(
+                update(runs)
+                .where(runs.c.id == values["id"], self._claimable(max_attempts))
+                .values(
+                    self._takeover_values(values["lease_owner"], lease_ms, max_attempts, values)
+                )
+            ).rowcount
+            if changed != 1:
+                return None
+            attempt = int(current[0]) + 1
+        expires = conn.execute(
+            select(runs.c.lease_expires_at).where(runs.c.id == values["id"])
+        ).scalar_one()
+        return attempt, int(expires)
 
     def _claim_refused(self, run_id: str, owner: str, max_attempts: int) -> ClaimResult:
         """Why a claim changed nothing; ends runs that can never be claimed again."""
@@ -712,8 +810,73 @@ class LeaseStore:
         with self._auto.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
+    @_db_errors
+    def end_unclaimed(
+        self, run_id: str, *, task_name: str, max_attempts: int, failure_code: str, error: str
+    ) -> str:
+        """End a run whose claim cannot succeed: ``failed`` with ``failure_code``.
+
+        For a claim that failed on a database error (permanent, or transient
+        with its retries spent). A run held by a live lease of another owner
+        is left alone (that owner finishes it); a terminal run keeps its
+        status; a run with no row gets a ``failed`` row without arguments.
+        Returns the run's status afterwards.
+        """
+        now = db_now_ms()
+        ended = {
+            "status": FAILED,
+            "failure_code": failure_code,
+            "last_error": error,
+            "lease_expires_at": now,
+            "finished_at": now,
+            "updated_at": now,
+            "payload": None,
+        }
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == run_id,
+                or_(
+                    runs.c.status == QUEUED,
+                    runs.c.status == RETRYING,
+                    and_(runs.c.status == RUNNING, runs.c.lease_expires_at <= now),
+                ),
+            )
+            .values(ended)
+        )
+        with self._auto.connect() as conn:
+            if conn.execute(stmt).rowcount == 1:
+                return FAILED
+            status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
+            if status is not None:
+                return str(status)
+            row = {
+                "id": run_id,
+                "task_name": task_name,
+                "lease_ms": 1,
+                "attempt": 0,
+                "max_attempts": max_attempts,
+                "available_at": now,
+                "created_at": now,
+                **ended,
+            }
+            try:
+                conn.execute(insert(runs).values(row))
+            except SQLAlchemyError as exc:
+                if dberrors.classify(exc, self.dialect).cause != "duplicate_key":
+                    raise
+                return self.end_unclaimed(
+                    run_id,
+                    task_name=task_name,
+                    max_attempts=max_attempts,
+                    failure_code=failure_code,
+                    error=error,
+                )
+        return FAILED
+
     # -- while running --------------------------------------------------------
 
+    @_db_errors
     def heartbeat(self, leases: Iterable[LeaseKey]) -> HeartbeatResult:
         """Renew every given lease that is still held and unexpired, in one statement.
 
@@ -748,6 +911,7 @@ class LeaseStore:
         lost = frozenset(keys) - renewed
         return HeartbeatResult(renewed, lost, cancel)
 
+    @_db_errors
     def fence(
         self,
         connection: Connection,
@@ -808,6 +972,7 @@ class LeaseStore:
             **_CLEARED_MESSAGE,
         }
 
+    @_db_errors
     def complete(self, run_id: str, owner: str, attempt: int) -> None:
         """Record success; only the current owner of a running run can. Else :class:`LeaseLost`.
 
@@ -828,6 +993,7 @@ class LeaseStore:
             return
         raise self._lost(run_id, owner, attempt, "complete refused")
 
+    @_db_errors
     def fail(
         self,
         run_id: str,
@@ -863,6 +1029,7 @@ class LeaseStore:
         self._guarded_update(run_id, owner, attempt, "fail", **values)
         return status
 
+    @_db_errors
     def release(self, run_id: str, owner: str, attempt: int, *, available_in: float = 0.0) -> None:
         """Hand a held lease back: ``retrying``, claimable after ``available_in`` s."""
         now = db_now_ms()
@@ -877,6 +1044,7 @@ class LeaseStore:
             updated_at=now,
         )
 
+    @_db_errors
     def end(
         self,
         run_id: str,
@@ -909,6 +1077,7 @@ class LeaseStore:
             **_CLEARED_MESSAGE,
         )
 
+    @_db_errors
     def refuse_message(
         self, record: RunRecord, failure_code: str, error: str, *, status: str = FAILED
     ) -> bool:
@@ -939,6 +1108,7 @@ class LeaseStore:
         with self._auto.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
+    @_db_errors
     def mark_cancelled(self, run_id: str, owner: str, attempt: int) -> None:
         """End a held run as ``cancelled`` after its worker honoured a cancel request."""
         now = db_now_ms()
@@ -957,6 +1127,7 @@ class LeaseStore:
 
     # -- recovery -------------------------------------------------------------
 
+    @_db_errors
     def sweep_expired(self, limit: int = 500) -> list[tuple[RunRecord, str]]:
         """End or hand back running runs whose lease expired (DB clock), at most ``limit``.
 
@@ -1025,6 +1196,7 @@ class LeaseStore:
         with self._auto.connect() as auto:
             return status if auto.execute(stmt).rowcount == 1 else None
 
+    @_db_errors
     def reclaim_stale(self, older_than: float, limit: int = 500) -> list[RunRecord]:
         """Queued/retrying runs available for ``older_than`` s yet never claimed.
 
@@ -1067,6 +1239,7 @@ class LeaseStore:
                     taken.append(record)
         return taken
 
+    @_db_errors
     def release_owned_by(self, worker_id: str) -> list[RunRecord]:
         """Hand back every running lease taken by the worker whose id is ``worker_id``.
 
@@ -1100,6 +1273,7 @@ class LeaseStore:
 
     # -- control --------------------------------------------------------------
 
+    @_db_errors
     def expire(self, run_id: str) -> bool:
         """End a running run's lease now, so another worker may take it over.
 
@@ -1115,6 +1289,7 @@ class LeaseStore:
         with self._auto.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
+    @_db_errors
     def cancel(self, run_id: str, *, task_id: str | None = None) -> str:
         """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
 
@@ -1167,12 +1342,14 @@ class LeaseStore:
 
     # -- reads ----------------------------------------------------------------
 
+    @_db_errors
     def get(self, run_id: str) -> RunRecord | None:
         """The run row, or None."""
         with self._auto.connect() as conn:
             row = conn.execute(select(runs).where(runs.c.id == run_id)).mappings().first()
         return None if row is None else RunRecord(**dict(row))
 
+    @_db_errors
     def now_ms(self) -> int:
         """The database clock, in epoch milliseconds."""
         with self._auto.connect() as conn:
@@ -1194,6 +1371,7 @@ class LeaseStore:
 
     # -- operator reads (CLI) --
 
+    @_db_errors
     def list_runs(
         self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
     ) -> list[RunRecord]:
@@ -1207,6 +1385,7 @@ class LeaseStore:
             rows = conn.execute(stmt).mappings().all()
         return [RunRecord(**dict(row)) for row in rows]
 
+    @_db_errors
     def stats(self, *, window_ms: int = 3_600_000) -> dict[str, Any]:
         """Per-status counts, live and expired leases, oldest running run, recent expiries.
 

@@ -164,7 +164,11 @@ def requeue_all(
                 failure_code=exc.code,
             )
             if store is not None:
-                store.refuse_message(record, exc.code, str(exc))
+                try:
+                    store.refuse_message(record, exc.code, str(exc))
+                except LeaseError as db_exc:  # recorded next sweep: it is refused again
+                    report.errors.append(record.id)
+                    logger.warning("run %s: %s", record.id, describe_exception(db_exc))
             continue
         except Exception as exc:
             report.errors.append(record.id)

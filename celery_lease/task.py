@@ -19,19 +19,37 @@ from celery.utils.serialization import raise_with_context
 from kombu.serialization import dumps
 from sqlalchemy.exc import SQLAlchemyError
 
+from . import dberrors
 from .app import Runtime, install, runtime_for, shutting_down, worker_id
 from .config import SETTING_NAMES, LeaseConfig
-from .errors import InvalidLeaseKey, LeaseBusy, LeaseError, LeaseLost, RunCancelled, RunFailed
+from .errors import (
+    InvalidLeaseKey,
+    LeaseBusy,
+    LeaseDatabaseError,
+    LeaseError,
+    LeaseInputError,
+    LeaseLost,
+    RunCancelled,
+    RunFailed,
+)
 from .events import emit
 from .lease import Lease, LeaseInterrupt, _current, current_lease
 from .sanitize import describe_exception
-from .schema import CANCELLED, FAILED, SUCCEEDED
+from .schema import CANCELLED, FAILED, RUNNING, SUCCEEDED
 from .store import ClaimResult
 
 logger = logging.getLogger(__name__)
 
 #: How long a completion may keep retrying a database error, at most.
 COMPLETE_RETRY_SECONDS = 5.0
+#: How many times a delivery is re-published after a transient database error
+#: on its claim before the run ends ``failed`` (``lease_db_unavailable``). With
+#: the default backoff (2 s doubling, capped at 600 s, full jitter) that rides
+#: out about 13 minutes of outage on average, 27 at most.
+CLAIM_DB_RETRIES = 10
+#: Message header counting those re-publications (Celery's ``retries`` also
+#: counts busy and lease-lost re-publications, which are not failures).
+DB_ERRORS_HEADER = "celery_lease_db_errors"
 
 #: The longest run id the ``id`` column holds; longer ids are hashed (see run_id_for).
 MAX_RUN_ID_LENGTH = 255
@@ -291,19 +309,11 @@ class LeasedTask(Task):  # type: ignore[misc]
                 task_id=self.request.id,
                 **self._payload(args, kwargs),
             )
-        except SQLAlchemyError as exc:
+        except (LeaseDatabaseError, LeaseInputError) as exc:
             # Fail closed: without a lease the body must not run.
-            delay = backoff_delay(config, self.request.retries + 1)
-            emit(
-                "claim_error",
-                run_id,
-                "run %s: lease database unreachable, retrying in %.1fs: %s",
-                run_id,
-                delay,
-                describe_exception(exc),
-                level=logging.WARNING,
-            )
-            self._reschedule(delay, exc)
+            self._on_claim_error(config, run_id, exc)
+        except SQLAlchemyError as exc:  # the engine itself could not be made
+            self._on_claim_error(config, run_id, dberrors.wrap(exc, ""))
         if claim.outcome == "finished":
             if self.request.called_directly:
                 return None  # a plain call of a finished run: nothing to do
@@ -404,13 +414,13 @@ class LeasedTask(Task):  # type: ignore[misc]
                 return
             except LeaseLost as exc:
                 self._on_lost(config, lease, exc)
-            except SQLAlchemyError as exc:
-                if time.monotonic() + delay >= deadline:
+            except LeaseDatabaseError as exc:
+                if not exc.transient or time.monotonic() + delay >= deadline:
                     lost = LeaseLost(
                         lease.run_id,
                         lease.owner,
                         lease.attempt,
-                        f"complete failed, database unreachable: {describe_exception(exc, 300)}",
+                        f"complete failed: {describe_exception(exc, 300)}",
                     )
                     self._on_lost(config, lease, lost)
                 time.sleep(delay)
@@ -422,7 +432,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             return False
         try:
             row = runtime.store.get(lease.run_id)
-        except SQLAlchemyError:
+        except LeaseDatabaseError:
             return False
         return (
             row is not None
@@ -482,6 +492,84 @@ class LeasedTask(Task):  # type: ignore[misc]
             raise Ignore()
         self._reschedule(delay, busy)
 
+    def _on_claim_error(
+        self, config: LeaseConfig, run_id: str, exc: LeaseDatabaseError | LeaseInputError
+    ) -> NoReturn:
+        """A claim the database (or a check before it) refused; the body never runs.
+
+        Transient errors re-publish the delivery with backoff, at most
+        ``CLAIM_DB_RETRIES`` times (counted in the ``DB_ERRORS_HEADER`` header).
+        Permanent errors, and transient ones once spent, end the run ``failed``
+        with the error's ``failure_code`` where a row can be written, and fail
+        this delivery with the error either way. A run another worker holds
+        alive is left to it: this delivery is dropped like a busy duplicate.
+        """
+        request = self.request
+        spent = self._db_errors_spent()
+        transient = isinstance(exc, LeaseDatabaseError) and exc.transient
+        local = request.called_directly or request.is_eager
+        if transient and local:
+            raise exc  # a plain call: the caller decides; the row is not touched
+        if transient and spent < CLAIM_DB_RETRIES:
+            delay = backoff_delay(config, spent + 1)
+            emit(
+                "claim_error",
+                run_id,
+                "run %s: lease database unavailable (try %d of %d), retrying in %.1fs: %s",
+                run_id,
+                spent + 1,
+                CLAIM_DB_RETRIES,
+                delay,
+                describe_exception(exc),
+                level=logging.WARNING,
+            )
+            headers = {**(request.headers or {}), DB_ERRORS_HEADER: spent + 1}
+            self._reschedule(delay, exc, headers=headers)
+        status: str | None = None
+        if not isinstance(exc, LeaseInputError) or exc.field != "run_id":
+            try:
+                status = runtime_for(self.app, config).store.end_unclaimed(
+                    run_id,
+                    task_name=self.name,
+                    max_attempts=config.max_attempts,
+                    failure_code=exc.failure_code,
+                    error=describe_exception(exc),
+                )
+            except (LeaseError, SQLAlchemyError) as end_exc:
+                emit(
+                    "fail_error",
+                    run_id,
+                    "run %s: could not record failure: %s",
+                    run_id,
+                    describe_exception(end_exc),
+                    level=logging.WARNING,
+                )
+        emit(
+            "claim_failed",
+            run_id,
+            "run %s: claim failed for good (%s), run is %s: %s",
+            run_id,
+            exc.failure_code,
+            status or "unrecorded",
+            describe_exception(exc),
+            level=logging.ERROR,
+            failure_code=exc.failure_code,
+        )
+        if status == RUNNING and not local:
+            raise Ignore()  # held alive by another worker, which owns the result
+        raise exc
+
+    def _db_errors_spent(self) -> int:
+        """Transient claim errors this delivery's lineage has retried so far."""
+        request = self.request
+        value: Any = (request.headers or {}).get(DB_ERRORS_HEADER)
+        if value is None:
+            value = getattr(request, DB_ERRORS_HEADER, 0)
+        try:
+            return max(0, int(value))
+        except (TypeError, ValueError):
+            return 0
+
     def _on_finished(self, config: LeaseConfig, runtime: Runtime, claim: ClaimResult) -> Any:
         """A delivery of a run that already ended: the body does not run again.
 
@@ -540,7 +628,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         try:
             row = runtime.store.get(run_id)
             now = runtime.store.now_ms()
-        except SQLAlchemyError:
+        except LeaseDatabaseError:
             return True
         finished = None if row is None else (row.finished_at or row.updated_at)
         return finished is not None and now - finished < window * 1000
@@ -557,7 +645,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 return error
         try:
             row = runtime.store.get(claim.run_id)
-        except SQLAlchemyError:
+        except LeaseDatabaseError:
             row = None
         return RunFailed(
             claim.run_id,
@@ -618,7 +706,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             lease.mark_lost(lost.reason)
             emit("lost", lease.run_id, "%s", lost, level=logging.WARNING, attempt=lease.attempt)
             raise Ignore() from lost
-        except SQLAlchemyError as db_exc:
+        except LeaseDatabaseError as db_exc:
             emit(
                 "fail_error",
                 lease.run_id,
@@ -654,7 +742,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             )
         except LeaseLost as lost:
             self._on_lost(config, lease, lost)
-        except SQLAlchemyError as db_exc:
+        except LeaseDatabaseError as db_exc:
             # The failure cannot be recorded; the lease will expire and the run
             # is claimed again then.
             emit(
@@ -689,7 +777,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         """True for a plain function call or an eager ``apply()``: no worker delivery."""
         return bool(self.request.called_directly or self.request.is_eager)
 
-    def _reschedule(self, countdown: float, cause: BaseException) -> NoReturn:
+    def _reschedule(self, countdown: float, cause: BaseException, **options: Any) -> NoReturn:
         """Publish this delivery again after ``countdown`` s and drop this one silently.
 
         Dropping with ``Ignore`` writes nothing to the result backend, which a
@@ -698,7 +786,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         if self._direct():
             raise cause
         try:
-            self._publish_again(countdown)
+            self._publish_again(countdown, **options)
         except Exception as exc:
             logger.error(
                 "celery-lease: could not re-publish %s (%s): asking the broker to requeue",
@@ -708,7 +796,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             raise Reject(requeue=True) from exc
         raise Ignore()
 
-    def _publish_again(self, countdown: float) -> None:
+    def _publish_again(self, countdown: float, **options: Any) -> None:
         request = self.request
         self.signature_from_request(
             request,
@@ -716,12 +804,13 @@ class LeasedTask(Task):  # type: ignore[misc]
             request.kwargs,
             countdown=max(0.0, countdown),
             retries=request.retries + 1,
+            **options,
         ).apply_async()
 
     def _release_quietly(self, runtime: Runtime, lease: Lease) -> None:
         try:
             runtime.store.release(lease.run_id, lease.owner, lease.attempt)
-        except (LeaseError, SQLAlchemyError) as exc:
+        except LeaseError as exc:
             logger.info(
                 "celery-lease: release of %s skipped: %s", lease.run_id, describe_exception(exc)
             )

@@ -1,4 +1,4 @@
-"""The shipped Alembic migrations, on SQLite and PostgreSQL."""
+"""The shipped Alembic migrations, on SQLite, PostgreSQL and MySQL/MariaDB."""
 
 from __future__ import annotations
 
@@ -102,4 +102,20 @@ def test_migrated_database_serves_the_store(db_url: str) -> None:
     store.complete("r1", "o:1:x", claim.attempt)
     row = store.get("r1")
     assert row is not None and row.status == "succeeded"
+    store.dispose()
+
+
+def test_upgrade_from_0001_widens_the_payload(db_url: str) -> None:
+    """A database made by 0001 holds arguments over 64 KiB after upgrade head (MySQL: LONGBLOB)."""
+    upgrade(db_url, "0001")
+    upgrade(db_url)
+    assert _differences(db_url) == []
+    store = LeaseStore.from_url(db_url)
+    payload = b"\x00\xff" * (50 * 1024)
+    claim = store.claim(
+        "r1", "o:1:x", task_name="t", lease_ms=5000, max_attempts=3, payload=payload
+    )
+    assert claim.outcome == "claimed"
+    row = store.get("r1")
+    assert row is not None and row.payload == payload
     store.dispose()

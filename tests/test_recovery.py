@@ -248,7 +248,7 @@ def test_unreachable_lease_database_fails_closed(cluster: Cluster) -> None:
     w1 = cluster.start("w1", CL_LEASE_DB=dead, conf=FAST_RETRY)
     run_id = cluster.send("workerapp.work", 0.0)
     wait_for(
-        lambda: w1.log().count(f"run {run_id}: lease database unreachable") >= 2,
+        lambda: w1.log().count(f"run {run_id}: lease database unavailable") >= 2,
         30,
         what="the delivery to be retried",
     )

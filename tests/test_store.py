@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from celery_lease import LeaseLost, LeaseStore
+from celery_lease.errors import LeaseDatabaseError, LeaseInputError
 from celery_lease.schema import runs
 from celery_lease.store import RunNotFound
 
@@ -348,8 +349,9 @@ def _kill_other_sessions(store: LeaseStore) -> int:
 
 
 def test_hot_path_after_the_server_dropped_its_connections(store: LeaseStore) -> None:
-    """Claim and completion run on the raw driver: a dead connection fails one call as
-    SQLAlchemy's DBAPIError (marked invalidated), and the next call reconnects."""
+    """Claim and completion run on the raw driver: a dead connection fails one call as a
+    transient LeaseDatabaseError (from SQLAlchemy's invalidated DBAPIError), and the next
+    call reconnects."""
     from sqlalchemy.exc import DBAPIError
 
     if store.dialect == "sqlite":
@@ -357,27 +359,32 @@ def test_hot_path_after_the_server_dropped_its_connections(store: LeaseStore) ->
     claim(store, "r1", "A", lease_ms=60_000)
     assert store.get("r1") is not None  # every pool holds a connection now
     assert _kill_other_sessions(store) >= 1
-    with pytest.raises(DBAPIError) as failed:
+    with pytest.raises(LeaseDatabaseError) as failed:
         store.complete("r1", "A", 1)
-    assert failed.value.connection_invalidated
+    assert failed.value.transient and failed.value.failure_code == "lease_db_unavailable"
+    assert isinstance(failed.value.__cause__, DBAPIError)
+    assert failed.value.__cause__.connection_invalidated
     store.complete("r1", "A", 1)  # a fresh connection; the first call changed nothing
     row = store.get("r1")
     assert row is not None and row.status == "succeeded"
     assert _kill_other_sessions(store) >= 1
-    with pytest.raises(DBAPIError):
+    with pytest.raises(LeaseDatabaseError) as failed:
         claim(store, "r2", "A")
+    assert failed.value.transient
     assert claim(store, "r2", "A").outcome == "claimed"
 
 
-def test_hot_path_errors_are_sqlalchemy_errors(store: LeaseStore) -> None:
-    """A driver error in the claim (here: an over-long run id) arrives as SQLAlchemy's error."""
-    from sqlalchemy.exc import DBAPIError
-
-    if store.dialect == "sqlite":
-        pytest.skip("SQLite does not enforce VARCHAR lengths")
-    with pytest.raises(DBAPIError):
+def test_over_long_run_id_is_refused_before_any_sql(store: LeaseStore) -> None:
+    """A run id longer than the column is a LeaseInputError raised before any statement
+    (PostgreSQL used to answer 'value too long', retried forever as unreachable)."""
+    with (
+        driver_statements(store.engines) as seen,
+        pytest.raises(LeaseInputError, match="run_id: is 300 characters") as refused,
+    ):
         claim(store, "x" * 300, "A")
-    assert claim(store, "r1", "A").outcome == "claimed"  # the connection is still usable
+    assert refused.value.failure_code == "lease_input_invalid:run_id"
+    assert seen == []
+    assert claim(store, "r1", "A").outcome == "claimed"  # the store is still usable
 
 
 def test_sqlite_hot_path_commits_after_someone_switched_to_autocommit(sqlite_url: str) -> None:

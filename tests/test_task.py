@@ -94,3 +94,38 @@ def test_body_error_is_recorded_sanitized(app: Celery, tmp_path: Path) -> None:
     assert row.failure_code == "exception:RuntimeError"
     assert row.last_error is not None and "hunter2" not in row.last_error
     assert "RuntimeError" in row.last_error
+
+
+@pytest.mark.timeout(60)
+def test_transient_claim_errors_end_the_run_failed_when_spent(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim failing with a transient database error is re-published CLAIM_DB_RETRIES times,
+    then, the database being writable again, the run ends failed with lease_db_unavailable
+    and the delivery FAILURE; the body never runs."""
+    from celery_lease import task as task_module
+    from celery_lease.errors import LeaseDatabaseError
+
+    monkeypatch.setattr(task_module, "CLAIM_DB_RETRIES", 3)
+    app.conf.update(lease_retry_backoff=0.01, lease_retry_backoff_max=0.02)
+    ran: list[int] = []
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="inproc.unlucky")
+    def unlucky(self: LeasedTask) -> None:
+        ran.append(1)
+
+    store = store_for(app)
+    claims: list[str] = []
+
+    def refuse(run_id: str, *args: object, **kwargs: object) -> None:
+        claims.append(run_id)
+        raise LeaseDatabaseError("postgresql deadlock: injected", True, "deadlock")
+
+    monkeypatch.setattr(store, "claim", refuse)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        result = unlucky.delay()
+        with pytest.raises(LeaseDatabaseError, match=r"^lease_db_unavailable"):
+            result.get(timeout=30)
+    assert len(claims) == 4 and ran == []  # the first try and 3 re-publications
+    row = store.get(result.id)
+    assert row is not None and (row.status, row.failure_code) == ("failed", "lease_db_unavailable")

@@ -1,0 +1,133 @@
+"""Claim errors in real ``celery worker`` processes end terminal, never loop (PostgreSQL + Redis).
+
+A permanent error (here a CHECK constraint the claim's insert violates) ends the
+run ``failed`` at once with ``lease_db_error:<cause>``; a transient one (the
+database stops accepting connections) is retried a bounded number of times and
+then the delivery ends ``FAILURE`` with ``lease_db_unavailable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from celery_lease.store import LeaseStore
+from celery_lease.task import CLAIM_DB_RETRIES
+from tests.cluster import Cluster
+from tests.helpers import Worker, wait_for
+
+FAST_BACKOFF = {"lease_retry_backoff": 0.01, "lease_retry_backoff_max": 0.05}
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a server until :meth:`stop` refuses every connection."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # stopped
+            server = socket.create_connection(self.upstream, timeout=10)
+            server.settimeout(None)
+            with self._lock:
+                self._sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        """Close the port (new connections are refused) and cut every open one."""
+        # shutdown() wakes the thread blocked in accept(); close() alone would
+        # leave the port listening until that call returns.
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+@pytest.fixture
+def pg_redis(
+    pg_url: str, redis_url: str, tmp_path: Path, workers: list[Worker]
+) -> Iterator[Cluster]:
+    """A PostgreSQL lease database behind Redis (broker and result backend)."""
+    broker_env = {"CL_BROKER_URL": redis_url, "CL_RESULT_BACKEND": redis_url}
+    cluster = Cluster(pg_url, broker_env, tmp_path, workers)
+    yield cluster
+    cluster.close()
+
+
+@pytest.mark.timeout(90)
+def test_permanent_claim_error_ends_the_run_at_once(pg_redis: Cluster) -> None:
+    """The claim's insert violates a CHECK constraint (permanent): the run ends failed with
+    lease_db_error:integrity, the delivery FAILURE, after one claim; it used to be
+    re-published forever as 'lease database unreachable'."""
+    with pg_redis.engine.begin() as conn:
+        conn.execute(
+            text(
+                "ALTER TABLE celery_lease_runs ADD CONSTRAINT small_payload "
+                "CHECK (payload IS NULL OR octet_length(payload) < 2000)"
+            )
+        )
+    worker = pg_redis.start("w1", conf=FAST_BACKOFF)
+    run_id = pg_redis.send("workerapp.sleepy", "x" * 5000)
+    wait_for(lambda: pg_redis.status(run_id) == "failed", 30, what="the run to end failed")
+    row = pg_redis.store.get(run_id)
+    assert row is not None and row.failure_code == "lease_db_error:integrity"
+    assert row.payload is None and row.attempt == 0
+    result = pg_redis.producer.AsyncResult(run_id)
+    wait_for(lambda: result.state == "FAILURE", 20, what="the delivery to end FAILURE")
+    assert str(result.result).startswith("lease_db_error:integrity")
+    assert pg_redis.effects(run_id) == []  # the body never ran
+    assert "retrying in" not in worker.log()
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_database_ends_failure_after_bounded_retries(pg_redis: Cluster) -> None:
+    """The lease database refuses connections after the worker started: the claim is
+    re-published CLAIM_DB_RETRIES times with backoff, then the delivery ends FAILURE
+    with lease_db_unavailable (it used to be re-published forever)."""
+    url = make_url(pg_redis.db_url)
+    proxy = TcpProxy((str(url.host), int(url.port or 5432)))
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    worker = pg_redis.start("w1", conf=FAST_BACKOFF, CL_LEASE_DB=proxied)
+    proxy.stop()
+    run_id = pg_redis.send("workerapp.work", 0.1)
+    result = pg_redis.producer.AsyncResult(run_id)
+    wait_for(lambda: result.state == "FAILURE", 60, what="the delivery to end FAILURE")
+    assert str(result.result).startswith("lease_db_unavailable")
+    log = worker.log()
+    assert f"try {CLAIM_DB_RETRIES} of {CLAIM_DB_RETRIES}" in log
+    assert f"try {CLAIM_DB_RETRIES + 1} of" not in log
+    assert "claim failed for good (lease_db_unavailable)" in log
+    direct = LeaseStore(create_engine(pg_redis.db_url))
+    try:
+        assert direct.get(run_id) is None  # no row could be written: Celery holds the outcome
+    finally:
+        direct.dispose()
