@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, insert
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
+from tests.helpers import plain_engine
 
 if os.environ.get("CL_CLOCK_SKEW"):
     # Chaos: this process's wall clock is wrong by CL_CLOCK_SKEW seconds. Leases
@@ -84,7 +85,7 @@ def effects_engine() -> Any:
     """An engine on the lease database for the effects table (one per process)."""
     global _engine
     if _engine is None or _engine.pid != os.getpid():
-        _engine = create_engine(app.conf.lease_database_url)
+        _engine = plain_engine(app.conf.lease_database_url)
         _engine.pid = os.getpid()
     return _engine
 
