@@ -204,8 +204,9 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
     elif backend in ("mysql", "mariadb") and driver == "pymysql":
         connect_args.setdefault("connect_timeout", bounds.connect)
         # A socket read that outlasts the server-side bounds is a partition.
-        connect_args.setdefault("read_timeout", bounds.client)
-        connect_args.setdefault("write_timeout", bounds.client)
+        client = max(bounds.client, _mysql_statement_bound(bounds) + 0.5)
+        connect_args.setdefault("read_timeout", client)
+        connect_args.setdefault("write_timeout", client)
     engine = create_engine(parsed, connect_args=connect_args, **kwargs)
     if backend in ("mysql", "mariadb"):
         _bound_mysql_sessions(engine, bounds)
@@ -256,6 +257,16 @@ def _bounded_psycopg_cursor(bounds: WaitBounds) -> type[Any]:
     return BoundedCursor
 
 
+def _mysql_lock_bound(bounds: WaitBounds) -> int:
+    """``innodb_lock_wait_timeout``: whole seconds, at least 1."""
+    return max(1, math.ceil(bounds.lock))
+
+
+def _mysql_statement_bound(bounds: WaitBounds) -> float:
+    """The statement bound, longer than the (rounded up) lock wait so that one reports first."""
+    return max(bounds.statement, _mysql_lock_bound(bounds) + 0.5)
+
+
 def _bound_mysql_sessions(engine: Engine, bounds: WaitBounds) -> None:
     """Session lock-wait and statement bounds on every new MySQL/MariaDB connection.
 
@@ -264,16 +275,17 @@ def _bound_mysql_sessions(engine: Engine, bounds: WaitBounds) -> None:
     ``max_execution_time`` (milliseconds) bounds reads only, the lock wait
     bounds the writes.
     """
-    lock_wait = max(1, math.ceil(bounds.lock))  # whole seconds, at least 1
+    lock_wait = _mysql_lock_bound(bounds)
+    limit = _mysql_statement_bound(bounds)
 
     def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("SELECT VERSION()")
         mariadb = "mariadb" in str(cursor.fetchone()[0]).lower()
         statement = (
-            f"max_statement_time = {bounds.statement:.3f}"
+            f"max_statement_time = {limit:.3f}"
             if mariadb
-            else f"max_execution_time = {round(bounds.statement * 1000)}"
+            else f"max_execution_time = {round(limit * 1000)}"
         )
         cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {lock_wait}, {statement}")
         cursor.close()
@@ -390,6 +402,16 @@ def _configure_sqlite(engine: Engine, bounds: WaitBounds) -> None:
         event.listen(engine, "begin", on_begin)
         event.listen(engine.pool, "checkout", on_checkout)
         engine.dispose()  # connections made before the listeners would lack the settings
+
+
+def _lock_wait_ended(exc: DBAPIError) -> bool:
+    """True when the statement gave up waiting for a row lock (the bounded lock wait)."""
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code == "55P03":  # PostgreSQL lock_not_available (lock_timeout)
+        return True
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and args[0] == 1205  # MySQL/MariaDB lock wait timeout
 
 
 class DriverStatement:
@@ -607,15 +629,22 @@ class LeaseStore:
             "payload": payload,
             "payload_content_type": payload_content_type,
         }
-        if max_concurrency is not None and concurrency_key is not None:
-            limited = self._claim_limited(values, lease_ms, max_attempts, max_concurrency)
-            if isinstance(limited, ClaimResult):
-                return limited
-            row = limited
-        elif self._upsert:
-            row = self._claim_upsert(values, lease_ms, max_attempts)
-        else:
-            row = self._claim_locked(values, lease_ms, max_attempts)
+        try:
+            if max_concurrency is not None and concurrency_key is not None:
+                limited = self._claim_limited(values, lease_ms, max_attempts, max_concurrency)
+                if isinstance(limited, ClaimResult):
+                    return limited
+                row = limited
+            elif self._upsert:
+                row = self._claim_upsert(values, lease_ms, max_attempts)
+            else:
+                row = self._claim_locked(values, lease_ms, max_attempts)
+        except DBAPIError as exc:
+            if not _lock_wait_ended(exc):
+                raise
+            # A transaction holds the row (a worker frozen inside fence()):
+            # that is a live owner as far as this claim can tell.
+            return ClaimResult("busy", run_id, owner, 0, RUNNING, self.bounds.lock, reason="locked")
         if row is not None:
             return ClaimResult("claimed", run_id, owner, row[0], RUNNING, 0.0, row[1])
         return self._claim_refused(run_id, owner, max_attempts)
