@@ -5,12 +5,14 @@ Usage: ``python -m benchmarks.pg_options [--runs N] [--rounds N]``, with
 URL: a throwaway database is created and dropped.
 
 One claim and one completion per run, through ``LeaseStore`` (the hot path's
-driver-level statements), in four variants that differ only in the psycopg
-connection: server-side prepared statements after 5 runs (psycopg's default,
-``?prepare_threshold=5``) or never (the library's default), and each statement
-bounded (``set_config`` of ``statement_timeout``/``lock_timeout`` pipelined with
-it, the library's default) or not. Rounds interleave the variants; each figure is
-the median over rounds of the mean per run: wall microseconds, and this
+driver-level statements), in four variants that differ only in how the psycopg
+connections are set up: as before the bounds (psycopg's defaults: prepared after
+5 runs, no timeouts); the library's default on a direct connection (the pooler
+check finds none: prepared after 5 runs, timeouts set once per session); what a
+connection behind a pooler gets (``?prepare_threshold=none`` forces it here:
+nothing prepared, ``set_config`` of both timeouts sent in the same query as each
+statement); and that without the timeouts. Rounds interleave the variants; each
+figure is the median over rounds of the mean per run: wall microseconds, and this
 process's CPU microseconds (the client side). Server CPU is not separated.
 """
 
@@ -28,11 +30,11 @@ from tests.helpers import scratch_database
 
 from .common import median, pg_admin_url
 
-VARIANTS = [
-    ("prepared after 5 runs, unbounded (before)", "5", False),
-    ("prepared after 5 runs, bounded", "5", True),
-    ("never prepared, unbounded", None, False),
-    ("never prepared, bounded (default)", None, True),
+VARIANTS: list[tuple[str, str | None, bool]] = [
+    ("before: prepared, no timeouts", "5", False),
+    ("default, direct: prepared, session timeouts", None, True),
+    ("pooler-safe: not prepared, timeouts per query", "none", True),
+    ("not prepared, no timeouts", "none", False),
 ]
 
 
@@ -73,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                 figures[name].append(measure(url, threshold, bounded, args.runs))
     base = median([w for w, _ in figures[VARIANTS[0][0]]])
     print(f"{args.runs} runs x {args.rounds} rounds, claim + complete per run, direct connection")
-    print(f"{'variant':45} {'wall us/run':>12} {'vs before':>10} {'client CPU us/run':>18}")
+    print(f"{'variant':48} {'wall us/run':>12} {'vs before':>10} {'client CPU us/run':>18}")
     for name, _, _ in VARIANTS:
         wall = median([w for w, _ in figures[name]])
         cpu = median([c for _, c in figures[name]])
-        print(f"{name:45} {wall:12.0f} {wall / base:10.2f} {cpu:18.0f}")
+        print(f"{name:48} {wall:12.0f} {wall / base:10.2f} {cpu:18.0f}")
     return 0
 
 

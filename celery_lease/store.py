@@ -181,26 +181,34 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
     the pool, and each caller already retries (claims fail closed and are
     re-published, heartbeats retry, completions retry).
 
-    PostgreSQL with psycopg (3): no server-side prepared statements unless the
-    URL asks for them with ``?prepare_threshold=N``, since a transaction pooler
-    (PgBouncer before 1.21) hands each transaction to any server connection,
-    where a prepared name is missing or names another statement. Every
-    statement is sent in one pipeline with ``set_config(..., true)`` calls for
-    its ``statement_timeout`` and ``lock_timeout``: transaction-local, so they
-    survive transaction pooling, and no extra round trip. MySQL/MariaDB: the
-    bounds are session settings and PyMySQL socket timeouts. SQLite: the busy
-    timeout (set by the store).
+    PostgreSQL with psycopg (3): each new connection checks whether a pooler
+    stands between it and the server (:func:`_detect_pooler`). Direct, it keeps
+    psycopg's server-side prepared statements and sets ``statement_timeout``
+    and ``lock_timeout`` once for the session. Behind a pooler, which may hand
+    each transaction to another server connection, it prepares nothing (a
+    prepared name would be missing there, or name another statement) and sends
+    every statement together with ``set_config(..., true)`` calls for both
+    timeouts: transaction-local, so they travel with the statement, and no
+    extra round trip. ``?prepare_threshold=N`` (or ``none``) in the URL decides
+    instead of the check. MySQL/MariaDB: the bounds are session settings and
+    PyMySQL socket timeouts. SQLite: the busy timeout (set by the store).
     """
     parsed = make_url(url)
     connect_args = dict(kwargs.pop("connect_args", {}))
     backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    detect = False
     if backend == "postgresql":
         connect_args.setdefault("connect_timeout", math.ceil(bounds.connect))
         if driver == "psycopg":
-            threshold = parsed.query.get("prepare_threshold")
+            given = parsed.query.get("prepare_threshold")
             parsed = parsed.difference_update_query(["prepare_threshold"])
-            connect_args.setdefault("prepare_threshold", _threshold(threshold))
-            connect_args.setdefault("cursor_factory", _bounded_psycopg_cursor(bounds))
+            detect = given is None and not {"prepare_threshold", "cursor_factory"} & set(
+                connect_args
+            )
+            threshold = _threshold(given)
+            connect_args.setdefault("prepare_threshold", threshold)
+            cursor = _bounded_psycopg_cursor(bounds, prepared=threshold is not None)
+            connect_args.setdefault("cursor_factory", cursor)
     elif backend in ("mysql", "mariadb") and driver == "pymysql":
         connect_args.setdefault("connect_timeout", bounds.connect)
         # A socket read that outlasts the server-side bounds is a partition.
@@ -210,9 +218,50 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
     engine = create_engine(parsed, connect_args=connect_args, **kwargs)
     if backend in ("mysql", "mariadb"):
         _bound_mysql_sessions(engine, bounds)
+    if detect:
+        _detect_pooler(engine, bounds)
     if backend == "postgresql":
         _ClientWatchdog(bounds.client).install(engine)
     return engine
+
+
+#: psycopg's own default: a statement is prepared on its sixth run.
+PSYCOPG_PREPARE_THRESHOLD = 5
+
+
+def _detect_pooler(engine: Engine, bounds: WaitBounds) -> None:
+    """Prepared statements and session timeouts on connections that reach PostgreSQL directly.
+
+    A pooler (PgBouncer, and others) answers the startup itself and gives the
+    client a backend key of its own, so the process id the connection was told
+    at startup is not the ``pg_backend_pid()`` of the server that runs its
+    statements. Where they match, nothing stands in between: session state
+    holds, psycopg may prepare, and the timeouts are set once for the session.
+    Where they differ, the connection keeps the pooler-safe settings it was
+    made with (nothing prepared, timeouts sent with each statement).
+    """
+    import psycopg
+
+    settings = (
+        f"SET statement_timeout = {round(bounds.statement * 1000)}; "
+        f"SET lock_timeout = {max(1, round(bounds.lock * 1000))}"
+    )
+    idle = psycopg.pq.TransactionStatus.IDLE
+
+    def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        cursor = psycopg.Cursor(dbapi_connection)
+        cursor.execute("SELECT pg_backend_pid()")
+        row = cursor.fetchone()
+        if row is not None and row[0] == dbapi_connection.info.backend_pid:
+            cursor.execute(settings)
+            dbapi_connection.prepare_threshold = PSYCOPG_PREPARE_THRESHOLD
+            dbapi_connection.cursor_factory = psycopg.Cursor
+        cursor.close()
+        if dbapi_connection.info.transaction_status == idle:
+            return
+        dbapi_connection.commit()  # the session settings must outlive this transaction
+
+    event.listen(engine, "connect", on_connect)
 
 
 def _threshold(value: Any) -> int | None:
@@ -222,36 +271,56 @@ def _threshold(value: Any) -> int | None:
     return int(value)
 
 
-def _bounded_psycopg_cursor(bounds: WaitBounds) -> type[Any]:
+def _bounded_psycopg_cursor(bounds: WaitBounds, *, prepared: bool) -> type[Any]:
     """A psycopg cursor class that bounds each statement, in the statement's own round trip.
 
     ``set_config(..., true)`` lasts until the end of the current transaction:
     the explicit one, or, for a statement outside one, the implicit transaction
-    that the pipeline's single Sync closes. Behind a transaction pooler both
-    settings therefore travel with the statement to whichever server
-    connection runs it. Without pipeline support in the libpq (before 14), a
-    statement inside a transaction sets them with one more round trip, and one
-    outside has only the client bound.
+    of that one round trip. Behind a transaction pooler both settings therefore
+    travel with the statement to whichever server connection runs it.
+
+    Without server-side prepared statements (the default) the settings and the
+    statement go as one simple-protocol query, its parameters bound on the
+    client: a multi-statement query runs as one implicit transaction, and the
+    cursor is moved to the statement's own result. With prepared statements
+    (``prepare_threshold`` given) they go in one pipeline (libpq >= 14) ending
+    in a single Sync; without pipeline support a statement inside a transaction
+    sets them with one more round trip, and one outside has only the client bound.
     """
     import psycopg
 
     bound_sql = (
         f"SELECT set_config('statement_timeout', '{round(bounds.statement * 1000)}', true), "
         f"set_config('lock_timeout', '{max(1, round(bounds.lock * 1000))}', true)"
-    ).encode()
+    )
+    if not prepared:
+
+        class BoundedClientCursor(psycopg.ClientCursor[Any]):
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                if isinstance(query, bytes):
+                    query = query.decode()
+                if not isinstance(query, str):  # a psycopg.sql object: sent as it is
+                    return super().execute(query, params, **kwargs)
+                super().execute(f"{bound_sql}; {query}", params, **kwargs)
+                self.nextset()  # the statement's own result, rowcount and description
+                return self
+
+        return BoundedClientCursor
+
     pipelined = psycopg.Pipeline.is_supported()
     plain = psycopg.Cursor
     idle = psycopg.pq.TransactionStatus.IDLE
+    bound_bytes = bound_sql.encode()
 
     class BoundedCursor(psycopg.Cursor[Any]):
         def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
             conn = self.connection
             if pipelined:
                 with conn.pipeline():
-                    plain(conn).execute(bound_sql)
+                    plain(conn).execute(bound_bytes)
                     return super().execute(query, params, **kwargs)
             if conn.info.transaction_status != idle:
-                plain(conn).execute(bound_sql)
+                plain(conn).execute(bound_bytes)
             return super().execute(query, params, **kwargs)
 
     return BoundedCursor
@@ -318,13 +387,14 @@ class _ClientWatchdog:
         event.listen(engine.pool, "invalidate", self._disarm_invalid)
 
     def _arm(self, dbapi_connection: Any, record: ConnectionPoolEntry, proxy: Any) -> None:
-        fileno = getattr(dbapi_connection, "fileno", None)
-        if fileno is None:
+        try:
+            fd = int(dbapi_connection.fileno())
+        except Exception:  # no socket to cut (closed, or a driver without fileno())
             return
         if self._pid != os.getpid():
             self._start()
         with self._lock:
-            self._armed[id(record)] = (time.monotonic() + self.bound, fileno())
+            self._armed[id(record)] = (time.monotonic() + self.bound, fd)
 
     def _disarm(self, dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
         with self._lock:
@@ -425,7 +495,9 @@ class DriverStatement:
     engine whose connections are in autocommit mode. Driver errors are raised as
     SQLAlchemy's ``DBAPIError`` subclasses, as ``Connection.execute`` would, and
     a connection found dead is invalidated. SQLAlchemy's execution events
-    (``before_cursor_execute``) do not see these statements.
+    (``before_cursor_execute``) do not see these statements; the engine's
+    connection settings do apply (psycopg's ``prepare_threshold`` and the
+    bounded cursor class, the pool's watchdog).
     """
 
     def __init__(self, engine: Engine, statement: Any, *, returns_row: bool) -> None:

@@ -83,7 +83,7 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
     pragmas are not recorded). psycopg and PyMySQL: their cursor's ``execute``
     is wrapped for the duration. Shared by the tests and ``benchmarks/sql.py``.
     The ``set_config`` call that bounds each psycopg statement is not counted:
-    it travels in the same pipeline, in the statement's own round trip.
+    it travels in the statement's own round trip (the same query, or pipeline).
     """
     from sqlalchemy import event
 
@@ -92,8 +92,11 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
 
     def record(sql: Any) -> None:
         text = sql.decode() if isinstance(sql, bytes) else str(sql)
-        if not text.startswith("SELECT set_config('statement_timeout'"):
-            seen.append((threading.get_ident(), text))
+        if text.startswith("SELECT set_config('statement_timeout'"):
+            _, sent_with, text = text.partition("; ")
+            if not sent_with:
+                return  # pipelined ahead of the statement it bounds
+        seen.append((threading.get_ident(), text))
 
     dialect = engines[0].dialect.name
     restore: list[tuple[Any, str, Any]] = []

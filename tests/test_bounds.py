@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -59,9 +60,11 @@ def test_takeover_behind_frozen_fence_reports_busy_within_lock_bound(
             tx.rollback()
     finally:
         holder.dispose()
-    assert taken.outcome == "busy" and taken.reason == "locked"
-    assert waited < store.bounds.lock + 1.5, waited
-    assert beat_waited < store.bounds.lock + 1.5, beat_waited
+    # MySQL's lock wait is whole seconds, at least one.
+    lock = max(1, math.ceil(store.bounds.lock)) if store.dialect == "mysql" else store.bounds.lock
+    assert taken.outcome == "busy" and taken.reason == "locked", taken
+    assert waited < lock + 1.5, waited
+    assert beat_waited < lock + 1.5, beat_waited
     after = _claim(store, "r1", "B")  # the holder is gone: the takeover goes through
     assert after.outcome == "claimed" and after.attempt == first.attempt + 1
     store.dispose()
@@ -146,3 +149,23 @@ def test_hot_path_past_prepare_threshold_through_pgbouncer(
     store.dispose()
     assert errors == [], errors[:3]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize(("db", "pooled"), [("pg_url", False), ("pgbouncer_url", True)])
+def test_pooler_detected_at_connect(request: pytest.FixtureRequest, db: str, pooled: bool) -> None:
+    """Directly connected, psycopg prepares as usual and the timeouts are session settings;
+    through PgBouncer nothing is prepared and the timeouts travel with each statement."""
+    store = LeaseStore.from_url(request.getfixturevalue(db), lease_seconds=8.0)
+    try:
+        for engine in store.engines:
+            raw = engine.raw_connection()
+            try:
+                driver = raw.driver_connection
+                assert driver is not None
+                assert driver.prepare_threshold == (None if pooled else 5)
+            finally:
+                raw.close()
+            with engine.connect() as conn:
+                assert conn.execute(text("SHOW lock_timeout")).scalar() == "1333ms"
+    finally:
+        store.dispose()
