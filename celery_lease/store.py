@@ -215,7 +215,7 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
         client = max(bounds.client, _mysql_statement_bound(bounds) + 0.5)
         connect_args.setdefault("read_timeout", client)
         connect_args.setdefault("write_timeout", client)
-    engine = create_engine(parsed, connect_args=connect_args, **kwargs)
+    engine = create_engine(parsed, connect_args=connect_args, hide_parameters=True, **kwargs)
     if backend in ("mysql", "mariadb"):
         _bound_mysql_sessions(engine, bounds)
     if detect:
