@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 from sqlalchemy import (
@@ -218,10 +218,11 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
     engine = create_engine(parsed, connect_args=connect_args, hide_parameters=True, **kwargs)
     if backend in ("mysql", "mariadb"):
         _bound_mysql_sessions(engine, bounds)
-    if detect:
-        _detect_pooler(engine, bounds)
     if backend == "postgresql":
-        _ClientWatchdog(bounds.client).install(engine)
+        watchdog = _ClientWatchdog(bounds.client)
+        watchdog.install(engine)
+        if detect:
+            _detect_pooler(engine, bounds, watchdog)
     return engine
 
 
@@ -229,7 +230,7 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
 PSYCOPG_PREPARE_THRESHOLD = 5
 
 
-def _detect_pooler(engine: Engine, bounds: WaitBounds) -> None:
+def _detect_pooler(engine: Engine, bounds: WaitBounds, watchdog: _ClientWatchdog) -> None:
     """Prepared statements and session timeouts on connections that reach PostgreSQL directly.
 
     A pooler (PgBouncer, and others) answers the startup itself and gives the
@@ -249,17 +250,17 @@ def _detect_pooler(engine: Engine, bounds: WaitBounds) -> None:
     idle = psycopg.pq.TransactionStatus.IDLE
 
     def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
-        cursor = psycopg.Cursor(dbapi_connection)
-        cursor.execute("SELECT pg_backend_pid()")
-        row = cursor.fetchone()
-        if row is not None and row[0] == dbapi_connection.info.backend_pid:
-            cursor.execute(settings)
-            dbapi_connection.prepare_threshold = PSYCOPG_PREPARE_THRESHOLD
-            dbapi_connection.cursor_factory = psycopg.Cursor
-        cursor.close()
-        if dbapi_connection.info.transaction_status == idle:
-            return
-        dbapi_connection.commit()  # the session settings must outlive this transaction
+        with watchdog.guard(dbapi_connection):  # not checked out yet: bound it here
+            cursor = psycopg.Cursor(dbapi_connection)
+            cursor.execute("SELECT pg_backend_pid()")
+            row = cursor.fetchone()
+            if row is not None and row[0] == dbapi_connection.info.backend_pid:
+                cursor.execute(settings)
+                dbapi_connection.prepare_threshold = PSYCOPG_PREPARE_THRESHOLD
+                dbapi_connection.cursor_factory = psycopg.Cursor
+            cursor.close()
+            if dbapi_connection.info.transaction_status != idle:
+                dbapi_connection.commit()  # the session settings must outlive it
 
     event.listen(engine, "connect", on_connect)
 
@@ -386,7 +387,22 @@ class _ClientWatchdog:
         event.listen(engine.pool, "checkin", self._disarm)
         event.listen(engine.pool, "invalidate", self._disarm_invalid)
 
+    @contextlib.contextmanager
+    def guard(self, dbapi_connection: Any) -> Iterator[None]:
+        """Bound the calls made on ``dbapi_connection`` inside this block."""
+        self._arm_key(id(dbapi_connection), dbapi_connection)
+        try:
+            yield
+        finally:
+            self._disarm_key(id(dbapi_connection))
+
     def _arm(self, dbapi_connection: Any, record: ConnectionPoolEntry, proxy: Any) -> None:
+        self._arm_key(id(record), dbapi_connection)
+
+    def _disarm(self, dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        self._disarm_key(id(record))
+
+    def _arm_key(self, key: int, dbapi_connection: Any) -> None:
         try:
             fd = int(dbapi_connection.fileno())
         except Exception:  # no socket to cut (closed, or a driver without fileno())
@@ -394,11 +410,11 @@ class _ClientWatchdog:
         if self._pid != os.getpid():
             self._start()
         with self._lock:
-            self._armed[id(record)] = (time.monotonic() + self.bound, fd)
+            self._armed[key] = (time.monotonic() + self.bound, fd)
 
-    def _disarm(self, dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    def _disarm_key(self, key: int) -> None:
         with self._lock:
-            self._armed.pop(id(record), None)
+            self._armed.pop(key, None)
 
     def _disarm_invalid(
         self, dbapi_connection: Any, record: ConnectionPoolEntry, exception: Any
