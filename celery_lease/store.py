@@ -445,7 +445,7 @@ class _ClientWatchdog:
         logger.warning(
             "celery-lease: no reply from the lease database within %.1fs: connection cut",
             self.bound,
-            extra={"lease_event": "db_wait_bound"},
+            extra={"lease_event": "db_wait_bound", "run_id": None},
         )
         with contextlib.suppress(OSError):
             sock = socket.socket(fileno=os.dup(fd))
