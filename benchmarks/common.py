@@ -29,6 +29,16 @@ def pg_admin_url() -> str | None:
     return os.environ.get(PG_ENV) or os.environ.get("CELERY_LEASE_TEST_PG_URL") or None
 
 
+PGBOUNCER_ENV = "CELERY_LEASE_BENCH_PGBOUNCER_URL"
+
+
+def pgbouncer_url() -> str | None:
+    """A PgBouncer (transaction mode, wildcard database) in front of the benchmark PostgreSQL."""
+    return (
+        os.environ.get(PGBOUNCER_ENV) or os.environ.get("CELERY_LEASE_TEST_PGBOUNCER_URL") or None
+    )
+
+
 def redis_url() -> str | None:
     """The Redis URL (falls back to the test suite's variable)."""
     return os.environ.get(REDIS_ENV) or os.environ.get("CELERY_LEASE_TEST_REDIS_URL") or None

@@ -2,7 +2,9 @@
 
 Usage: ``python -m benchmarks.run_all [--quick] [--rounds N] [--tasks N] [--no-write]``.
 PostgreSQL and Redis come from ``CELERY_LEASE_BENCH_PG_URL`` (an admin URL: a
-throwaway database is created and dropped) and ``CELERY_LEASE_BENCH_REDIS_URL``
+throwaway database is created and dropped) and ``CELERY_LEASE_BENCH_REDIS_URL``;
+``CELERY_LEASE_BENCH_PGBOUNCER_URL`` names a PgBouncer in transaction mode in front
+of that PostgreSQL (wildcard database entry) for the PgBouncer row
 (falling back to the test suite's ``CELERY_LEASE_TEST_*`` variables); without
 them the sections that need them are left out.
 """
@@ -28,7 +30,7 @@ from sqlalchemy import create_engine, text
 from tests.helpers import scratch_database
 
 from . import contention, sql, takeover, throughput
-from .common import REPO, check_loopback, pg_admin_url, redis_url
+from .common import REPO, check_loopback, pg_admin_url, pgbouncer_url, redis_url
 
 DOC = REPO / "docs" / "benchmarks.md"
 
@@ -54,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (1 if args.quick else 3)
     command = " ".join(["python -m benchmarks.run_all", *(argv or sys.argv[1:])])
 
-    admin, redis = pg_admin_url(), redis_url()
-    for url in (admin, redis):
+    admin, redis, bouncer = pg_admin_url(), redis_url(), pgbouncer_url()
+    for url in (admin, redis, bouncer):
         if url:
             check_loopback(url)
     work = Path(tempfile.mkdtemp(prefix="celery-lease-bench-"))
@@ -64,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with scratch_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg_url:
             print(f"throughput: {tasks} tasks x {rounds} round(s)", flush=True)
-            sections["throughput"], _ = throughput.run(tasks, rounds, work, redis, pg_url)
+            sections["throughput"], _ = throughput.run(
+                tasks, rounds, work, redis, pg_url, bouncer_url=bouncer
+            )
             print(sections["throughput"], flush=True)
             print("SQL per task and per heartbeat tick", flush=True)
             sections["sql_task"], sections["sql_tick"], _ = sql.run(pg_url, args.quick, work)
@@ -127,7 +131,7 @@ def render(
         "log level WARNING) is started and timed from the first task's start "
         "(`task_prerun` in any pool process) to the last `task_postrun`, which comes "
         "after the lease's guarded completion and after celery-once's unlock. Worker "
-        "start-up is excluded. The six set-ups run in a shuffled order in each of "
+        "start-up is excluded. The set-ups run in a shuffled order in each of "
         f"{rounds} round(s). *Enqueue msgs/s* is the producer's publishing rate: "
         "celery-once takes its Redis lock there, at enqueue, so most of its cost is "
         "outside the timed window. *End-to-end ratio* puts it back: N over publishing "
@@ -136,7 +140,10 @@ def render(
         "children, plus every local `postgres` and `redis-server` process where the "
         "set-up uses them), per task; it is steadier than throughput on a shared "
         "machine. The target column judges the worker-side ratio against 0.9 (SQLite) "
-        "and 0.8 (PostgreSQL), and compares it with celery-once's in both windows.",
+        "and 0.8 (PostgreSQL), and compares it with celery-once's in both windows. "
+        "*Via PgBouncer* is the same PostgreSQL reached through PgBouncer in "
+        "`pool_mode = transaction` (`CELERY_LEASE_BENCH_PGBOUNCER_URL`), its process "
+        "counted with the servers.",
         "",
         sections.get("throughput", "(not run)"),
         "",

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis as redis_client
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from celery_lease import LeaseStore
 
@@ -44,7 +45,7 @@ class Setup:
     label: str
     broker: str  # "filesystem" or "redis"
     mode: str  # "plain", "leased", "once"
-    lease_db: str = ""  # "sqlite" or "postgresql"
+    lease_db: str = ""  # "sqlite", "postgresql" or "pgbouncer" (the same PostgreSQL through it)
 
 
 SETUPS = [
@@ -53,6 +54,7 @@ SETUPS = [
     Setup("celery-once (Redis lock)", "filesystem", "once"),
     Setup("plain Celery", "redis", "plain"),
     Setup("LeasedTask, PostgreSQL", "redis", "leased", "postgresql"),
+    Setup("LeasedTask, PostgreSQL via PgBouncer", "redis", "leased", "pgbouncer"),
     Setup("celery-once (Redis lock)", "redis", "once"),
 ]
 
@@ -96,7 +98,14 @@ def cpu_seconds(worker_pid: int, servers: tuple[str, ...]) -> float:
     return total
 
 
-def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str | None) -> Result:
+def run_one(
+    setup: Setup,
+    n: int,
+    work: Path,
+    redis_url: str | None,
+    pg_url: str | None,
+    bouncer_url: str | None = None,
+) -> Result:
     """Enqueue ``n`` tasks, start a worker, time it until all ``n`` finished."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     marks = run_dir / "marks"
@@ -118,9 +127,11 @@ def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str
         env["BENCH_ONCE_URL"] = redis_url
     if setup.lease_db == "sqlite":
         env["BENCH_LEASE_DB"] = f"sqlite:///{run_dir / 'leases.sqlite3'}"
-    elif setup.lease_db == "postgresql":
+    elif setup.lease_db in ("postgresql", "pgbouncer"):
         assert pg_url
-        env["BENCH_LEASE_DB"] = pg_url
+        env["BENCH_LEASE_DB"] = (
+            pg_url if setup.lease_db == "postgresql" else via(pg_url, bouncer_url)
+        )
         store = LeaseStore.from_url(pg_url)
         store.create_schema()
         with store.engine.begin() as conn:
@@ -138,6 +149,8 @@ def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str
     servers = ("redis-server",) if setup.broker == "redis" else ()
     if setup.lease_db == "postgresql":
         servers += ("postgres",)
+    elif setup.lease_db == "pgbouncer":
+        servers += ("postgres", "pgbouncer")
     worker = Proc.worker(env, run_dir / "worker.log", unique("bw"), concurrency=CONCURRENCY)
     try:
 
@@ -165,6 +178,17 @@ def run_one(setup: Setup, n: int, work: Path, redis_url: str | None, pg_url: str
     return Result(setup, rate, enqueue_rate, end_to_end, cpu_used * 1000 / max(done_during, 1))
 
 
+def via(pg_url: str, bouncer_url: str | None) -> str:
+    """``pg_url``'s database reached through the PgBouncer at ``bouncer_url``'s host and port."""
+    assert bouncer_url
+    bouncer = make_url(bouncer_url)
+    return (
+        make_url(pg_url)
+        .set(host=bouncer.host, port=bouncer.port)
+        .render_as_string(hide_password=False)
+    )
+
+
 def _clean_redis(url: str, queue: str) -> None:
     client = redis_client.Redis.from_url(url)
     keys = [queue, f"_kombu.binding.{queue}"]
@@ -174,11 +198,24 @@ def _clean_redis(url: str, queue: str) -> None:
 
 
 def run(
-    n: int, rounds: int, work: Path, redis_url: str | None, pg_url: str | None, log: Any = print
+    n: int,
+    rounds: int,
+    work: Path,
+    redis_url: str | None,
+    pg_url: str | None,
+    log: Any = print,
+    bouncer_url: str | None = None,
+    brokers: tuple[str, ...] = ("filesystem", "redis"),
 ) -> tuple[str, dict[str, Any]]:
-    """All set-ups, interleaved, ``rounds`` times; a Markdown table and the raw figures."""
+    """All set-ups, interleaved, ``rounds`` times; a Markdown table and the raw figures.
+
+    ``bouncer_url`` is a PgBouncer (transaction mode) in front of ``pg_url``'s
+    server, with a wildcard database entry; without it that row is left out.
+    """
     setups = [s for s in SETUPS if (s.broker == "filesystem" and s.mode != "once") or redis_url]
     setups = [s for s in setups if s.lease_db != "postgresql" or pg_url]
+    setups = [s for s in setups if s.lease_db != "pgbouncer" or (pg_url and bouncer_url)]
+    setups = [s for s in setups if s.broker in brokers]
     results: dict[Setup, list[Result]] = {s: [] for s in setups}
     ratios: dict[Setup, list[float]] = {s: [] for s in setups}
     e2e_ratios: dict[Setup, list[float]] = {s: [] for s in setups}
@@ -187,7 +224,7 @@ def run(
         random.shuffle(order)  # no set-up always runs first (page cache, a busy neighbour)
         this_round: dict[Setup, Result] = {}
         for setup in order:
-            res = run_one(setup, n, work, redis_url, pg_url)
+            res = run_one(setup, n, work, redis_url, pg_url, bouncer_url)
             this_round[setup] = res
             results[setup].append(res)
             log(
@@ -201,7 +238,7 @@ def run(
             e2e_ratios[setup].append(this_round[setup].end_to_end / this_round[plain].end_to_end)
     from .common import table
 
-    targets = {"sqlite": 0.9, "postgresql": 0.8}
+    targets = {"sqlite": 0.9, "postgresql": 0.8, "pgbouncer": 0.8}
     rows = []
     raw: dict[str, Any] = {}
     once_ratio = {s.broker: median(ratios[s]) for s in setups if s.mode == "once"}
@@ -257,3 +294,36 @@ def run(
 def _versus(ours: float, peer: float) -> str:
     """``not behind (0.91 vs 0.88)`` or ``behind (...)``."""
     return f"{'not behind' if ours >= peer else 'behind'} ({ours:.2f} vs {peer:.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.throughput``: this table alone (e.g. a reduced run)."""
+    import argparse
+    import contextlib
+    import tempfile
+
+    from tests.helpers import scratch_database
+
+    from .common import pg_admin_url, pgbouncer_url, redis_url
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput")
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--redis-only", action="store_true", help="leave out filesystem://")
+    args = parser.parse_args(argv)
+    admin, redis, bouncer = pg_admin_url(), redis_url(), pgbouncer_url()
+    work = Path(tempfile.mkdtemp(prefix="celery-lease-bench-"))
+    brokers = ("redis",) if args.redis_only else ("filesystem", "redis")
+    try:
+        with scratch_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg:
+            rendered, _ = run(
+                args.tasks, args.rounds, work, redis, pg, bouncer_url=bouncer, brokers=brokers
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(rendered)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

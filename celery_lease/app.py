@@ -59,7 +59,7 @@ def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
             runtime.store.dispose_after_fork()
             store = runtime.store
         else:
-            store = LeaseStore.from_url(config.database_url)
+            store = LeaseStore.from_url(config.database_url, lease_seconds=config.lease_seconds)
             if store.dialect == "sqlite":
                 store.create_schema()  # the embedded default needs no migrate step
         runtime = Runtime(store, Heartbeat(store, config.heartbeat_interval), pid)

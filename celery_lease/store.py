@@ -12,9 +12,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
+import os
 import random
+import socket
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar, cast
 
 from sqlalchemy import (
@@ -36,6 +40,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import ConnectionPoolEntry
 
@@ -58,7 +63,6 @@ from .schema import (
 
 logger = logging.getLogger(__name__)
 
-SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: Execution option for single statements on SQLite: no ``BEGIN``, and no
 #: isolation-level switch (SQLAlchemy's costs a PRAGMA at check-out and check-in).
 SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
@@ -211,25 +215,332 @@ class RunRecord:
         return self.status in TERMINAL_STATUSES
 
 
-def create_lease_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine for lease traffic (the store adds WAL and a busy timeout on SQLite).
+@dataclasses.dataclass(frozen=True)
+class WaitBounds:
+    """How long any wait on the lease database may last, in seconds.
+
+    Derived from ``lease_seconds`` by :meth:`for_lease` (see the settings
+    docs): ``statement`` bounds one statement on the server
+    (``statement_timeout``, MariaDB ``max_statement_time``, MySQL
+    ``max_execution_time``, SQLite's busy timeout), ``lock`` a row-lock wait
+    (``lock_timeout``, ``innodb_lock_wait_timeout``), ``connect`` opening a
+    connection, and ``client`` how long this process waits for any reply on a
+    checked-out connection before it cuts the connection (a network partition
+    that drops packets never answers, so only the client can end that wait).
+    """
+
+    connect: float
+    statement: float
+    lock: float
+    client: float
+
+    @classmethod
+    def for_lease(cls, lease_seconds: float) -> WaitBounds:
+        """The bounds for a lease of ``lease_seconds``: a heartbeat never waits past a third."""
+        statement = min(lease_seconds / 4.0, 60.0)
+        return cls(
+            connect=max(2.0, min(lease_seconds / 4.0, 30.0)),  # libpq's minimum is 2 s
+            statement=statement,
+            lock=statement * 2.0 / 3.0,
+            client=min(lease_seconds / 3.0, 90.0),
+        )
+
+
+#: The bounds of a store made without a lease length (30 s, the default).
+DEFAULT_BOUNDS = WaitBounds.for_lease(30.0)
+
+
+def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwargs: Any) -> Engine:
+    """An engine for lease traffic, every wait bounded by ``bounds``.
 
     No ``pool_pre_ping``: it would add a round trip to every statement. A
     connection found dead fails that one statement, SQLAlchemy then discards
     the pool, and each caller already retries (claims fail closed and are
     re-published, heartbeats retry, completions retry).
+
+    PostgreSQL with psycopg (3): each new connection checks whether a pooler
+    stands between it and the server (:func:`_detect_pooler`). Direct, it keeps
+    psycopg's server-side prepared statements and sets ``statement_timeout``
+    and ``lock_timeout`` once for the session. Behind a pooler, which may hand
+    each transaction to another server connection, it prepares nothing (a
+    prepared name would be missing there, or name another statement) and sends
+    every statement together with ``set_config(..., true)`` calls for both
+    timeouts: transaction-local, so they travel with the statement, and no
+    extra round trip. ``?prepare_threshold=N`` (or ``none``) in the URL decides
+    instead of the check. MySQL/MariaDB: the bounds are session settings and
+    PyMySQL socket timeouts. SQLite: the busy timeout (set by the store).
     """
-    return create_engine(url, hide_parameters=True, **kwargs)
+    parsed = make_url(url)
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    detect = False
+    if backend == "postgresql":
+        connect_args.setdefault("connect_timeout", math.ceil(bounds.connect))
+        if driver == "psycopg":
+            given = parsed.query.get("prepare_threshold")
+            parsed = parsed.difference_update_query(["prepare_threshold"])
+            detect = given is None and not {"prepare_threshold", "cursor_factory"} & set(
+                connect_args
+            )
+            threshold = _threshold(given)
+            connect_args.setdefault("prepare_threshold", threshold)
+            cursor = _bounded_psycopg_cursor(bounds, prepared=threshold is not None)
+            connect_args.setdefault("cursor_factory", cursor)
+    elif backend in ("mysql", "mariadb") and driver == "pymysql":
+        connect_args.setdefault("connect_timeout", bounds.connect)
+        # A socket read that outlasts the server-side bounds is a partition.
+        client = max(bounds.client, _mysql_statement_bound(bounds) + 0.5)
+        connect_args.setdefault("read_timeout", client)
+        connect_args.setdefault("write_timeout", client)
+    engine = create_engine(parsed, connect_args=connect_args, hide_parameters=True, **kwargs)
+    if backend in ("mysql", "mariadb"):
+        _bound_mysql_sessions(engine, bounds)
+    if backend == "postgresql":
+        watchdog = _ClientWatchdog(bounds.client)
+        watchdog.install(engine)
+        if detect:
+            _detect_pooler(engine, bounds, watchdog)
+    return engine
 
 
-def _configure_sqlite(engine: Engine) -> None:
-    """WAL, a busy timeout, and ``BEGIN IMMEDIATE`` for multi-statement transactions."""
+#: psycopg's own default: a statement is prepared on its sixth run.
+PSYCOPG_PREPARE_THRESHOLD = 5
+
+
+def _detect_pooler(engine: Engine, bounds: WaitBounds, watchdog: _ClientWatchdog) -> None:
+    """Prepared statements and session timeouts on connections that reach PostgreSQL directly.
+
+    A pooler (PgBouncer, and others) answers the startup itself and gives the
+    client a backend key of its own, so the process id the connection was told
+    at startup is not the ``pg_backend_pid()`` of the server that runs its
+    statements. Where they match, nothing stands in between: session state
+    holds, psycopg may prepare, and the timeouts are set once for the session.
+    Where they differ, the connection keeps the pooler-safe settings it was
+    made with (nothing prepared, timeouts sent with each statement).
+    """
+    import psycopg
+
+    settings = (
+        f"SET statement_timeout = {round(bounds.statement * 1000)}; "
+        f"SET lock_timeout = {max(1, round(bounds.lock * 1000))}"
+    )
+    idle = psycopg.pq.TransactionStatus.IDLE
+
+    def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        with watchdog.guard(dbapi_connection):  # not checked out yet: bound it here
+            cursor = psycopg.Cursor(dbapi_connection)
+            cursor.execute("SELECT pg_backend_pid()")
+            row = cursor.fetchone()
+            if row is not None and row[0] == dbapi_connection.info.backend_pid:
+                cursor.execute(settings)
+                dbapi_connection.prepare_threshold = PSYCOPG_PREPARE_THRESHOLD
+                dbapi_connection.cursor_factory = psycopg.Cursor
+            cursor.close()
+            if dbapi_connection.info.transaction_status != idle:
+                dbapi_connection.commit()  # the session settings must outlive it
+
+    event.listen(engine, "connect", on_connect)
+
+
+def _threshold(value: Any) -> int | None:
+    """psycopg's ``prepare_threshold`` from a URL query value (None: never prepare)."""
+    if value is None or str(value).lower() in ("", "none", "off"):
+        return None
+    return int(value)
+
+
+def _bounded_psycopg_cursor(bounds: WaitBounds, *, prepared: bool) -> type[Any]:
+    """A psycopg cursor class that bounds each statement, in the statement's own round trip.
+
+    ``set_config(..., true)`` lasts until the end of the current transaction:
+    the explicit one, or, for a statement outside one, the implicit transaction
+    of that one round trip. Behind a transaction pooler both settings therefore
+    travel with the statement to whichever server connection runs it.
+
+    Without server-side prepared statements (the default) the settings and the
+    statement go as one simple-protocol query, its parameters bound on the
+    client: a multi-statement query runs as one implicit transaction, and the
+    cursor is moved to the statement's own result. With prepared statements
+    (``prepare_threshold`` given) they go in one pipeline (libpq >= 14) ending
+    in a single Sync; without pipeline support a statement inside a transaction
+    sets them with one more round trip, and one outside has only the client bound.
+    """
+    import psycopg
+
+    bound_sql = (
+        f"SELECT set_config('statement_timeout', '{round(bounds.statement * 1000)}', true), "
+        f"set_config('lock_timeout', '{max(1, round(bounds.lock * 1000))}', true)"
+    )
+    if not prepared:
+
+        class BoundedClientCursor(psycopg.ClientCursor[Any]):
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                if isinstance(query, bytes):
+                    query = query.decode()
+                if not isinstance(query, str):  # a psycopg.sql object: sent as it is
+                    return super().execute(query, params, **kwargs)
+                super().execute(f"{bound_sql}; {query}", params, **kwargs)
+                self.nextset()  # the statement's own result, rowcount and description
+                return self
+
+        return BoundedClientCursor
+
+    pipelined = psycopg.Pipeline.is_supported()
+    plain = psycopg.Cursor
+    idle = psycopg.pq.TransactionStatus.IDLE
+    bound_bytes = bound_sql.encode()
+
+    class BoundedCursor(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            conn = self.connection
+            if pipelined:
+                with conn.pipeline():
+                    plain(conn).execute(bound_bytes)
+                    return super().execute(query, params, **kwargs)
+            if conn.info.transaction_status != idle:
+                plain(conn).execute(bound_bytes)
+            return super().execute(query, params, **kwargs)
+
+    return BoundedCursor
+
+
+def _mysql_lock_bound(bounds: WaitBounds) -> int:
+    """``innodb_lock_wait_timeout``: whole seconds, at least 1."""
+    return max(1, math.ceil(bounds.lock))
+
+
+def _mysql_statement_bound(bounds: WaitBounds) -> float:
+    """The statement bound, longer than the (rounded up) lock wait so that one reports first."""
+    return max(bounds.statement, _mysql_lock_bound(bounds) + 0.5)
+
+
+def _bound_mysql_sessions(engine: Engine, bounds: WaitBounds) -> None:
+    """Session lock-wait and statement bounds on every new MySQL/MariaDB connection.
+
+    MySQL has no transaction pooler to lose session state to. MariaDB's
+    ``max_statement_time`` (seconds) bounds every statement; MySQL's
+    ``max_execution_time`` (milliseconds) bounds reads only, the lock wait
+    bounds the writes.
+    """
+    lock_wait = _mysql_lock_bound(bounds)
+    limit = _mysql_statement_bound(bounds)
+
+    def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("SELECT VERSION()")
+        mariadb = "mariadb" in str(cursor.fetchone()[0]).lower()
+        statement = (
+            f"max_statement_time = {limit:.3f}"
+            if mariadb
+            else f"max_execution_time = {round(limit * 1000)}"
+        )
+        cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {lock_wait}, {statement}")
+        cursor.close()
+
+    event.listen(engine, "connect", on_connect)
+
+
+class _ClientWatchdog:
+    """Cuts a checked-out connection that has waited longer than ``bound`` for the server.
+
+    A partition that drops packets leaves a client blocked in a socket read
+    that no server-side timeout can end, and the driver (libpq) has no read
+    timeout. One daemon thread per process looks at the connections checked out
+    of the engine's pool; one past its bound gets its socket shut down, so the
+    blocked call fails at once with a disconnect error and SQLAlchemy discards
+    the connection. The file descriptor is not closed here, so it cannot be
+    reused under the driver's feet.
+    """
+
+    def __init__(self, bound: float) -> None:
+        self.bound = bound
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._armed: dict[int, tuple[float, int]] = {}
+
+    def install(self, engine: Engine) -> None:
+        """Arm at every pool check-out, disarm at check-in and invalidation."""
+        event.listen(engine.pool, "checkout", self._arm)
+        event.listen(engine.pool, "checkin", self._disarm)
+        event.listen(engine.pool, "invalidate", self._disarm_invalid)
+
+    @contextlib.contextmanager
+    def guard(self, dbapi_connection: Any) -> Iterator[None]:
+        """Bound the calls made on ``dbapi_connection`` inside this block."""
+        self._arm_key(id(dbapi_connection), dbapi_connection)
+        try:
+            yield
+        finally:
+            self._disarm_key(id(dbapi_connection))
+
+    def _arm(self, dbapi_connection: Any, record: ConnectionPoolEntry, proxy: Any) -> None:
+        self._arm_key(id(record), dbapi_connection)
+
+    def _disarm(self, dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        self._disarm_key(id(record))
+
+    def _arm_key(self, key: int, dbapi_connection: Any) -> None:
+        try:
+            fd = int(dbapi_connection.fileno())
+        except Exception:  # no socket to cut (closed, or a driver without fileno())
+            return
+        if self._pid != os.getpid():
+            self._start()
+        with self._lock:
+            self._armed[key] = (time.monotonic() + self.bound, fd)
+
+    def _disarm_key(self, key: int) -> None:
+        with self._lock:
+            self._armed.pop(key, None)
+
+    def _disarm_invalid(
+        self, dbapi_connection: Any, record: ConnectionPoolEntry, exception: Any
+    ) -> None:
+        self._disarm(dbapi_connection, record)
+
+    def _start(self) -> None:
+        # First use in this process (or in a forked child, whose copy of the
+        # parent's lock and entries must not be trusted).
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._armed = {}
+        thread = threading.Thread(target=self._watch, name="celery-lease-watchdog", daemon=True)
+        thread.start()
+
+    def _watch(self) -> None:
+        pid = os.getpid()
+        while self._pid == pid:
+            time.sleep(max(0.05, self.bound / 4.0))
+            now = time.monotonic()
+            with self._lock:
+                for key, (deadline, fd) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[key]
+                        self._cut(fd)
+
+    def _cut(self, fd: int) -> None:
+        logger.warning(
+            "celery-lease: no reply from the lease database within %.1fs: connection cut",
+            self.bound,
+            extra={"lease_event": "db_wait_bound", "run_id": None},
+        )
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+
+
+def _configure_sqlite(engine: Engine, bounds: WaitBounds) -> None:
+    """WAL, a busy timeout (``bounds.statement``, at least 1 s), and ``BEGIN IMMEDIATE``."""
+    busy_ms = max(1000, round(bounds.statement * 1000))
 
     def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
         # Take transaction control from pysqlite so that `begin` below decides.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")
         cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.close()
@@ -256,6 +567,16 @@ def _configure_sqlite(engine: Engine) -> None:
         engine.dispose()  # connections made before the listeners would lack the settings
 
 
+def _lock_wait_ended(exc: DBAPIError) -> bool:
+    """True when the statement gave up waiting for a row lock (the bounded lock wait)."""
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code == "55P03":  # PostgreSQL lock_not_available (lock_timeout)
+        return True
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and args[0] == 1205  # MySQL/MariaDB lock wait timeout
+
+
 class DriverStatement:
     """A statement compiled once and run on a pooled DBAPI cursor, below SQLAlchemy.
 
@@ -267,7 +588,9 @@ class DriverStatement:
     engine whose connections are in autocommit mode. Driver errors are raised as
     SQLAlchemy's ``DBAPIError`` subclasses, as ``Connection.execute`` would, and
     a connection found dead is invalidated. SQLAlchemy's execution events
-    (``before_cursor_execute``) do not see these statements.
+    (``before_cursor_execute``) do not see these statements; the engine's
+    connection settings do apply (psycopg's ``prepare_threshold`` and the
+    bounded cursor class, the pool's watchdog).
     """
 
     def __init__(self, engine: Engine, statement: Any, *, returns_row: bool) -> None:
@@ -343,8 +666,17 @@ class LeaseStore:
     read-then-write paths run in one short transaction.
     """
 
-    def __init__(self, engine: Engine, *, autocommit_engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        autocommit_engine: Engine | None = None,
+        bounds: WaitBounds = DEFAULT_BOUNDS,
+    ) -> None:
         """Use ``engine`` for transactions and ``autocommit_engine`` for single statements.
+
+        ``bounds`` sets SQLite's busy timeout; on servers the waits are bounded
+        by the engines themselves (:func:`create_lease_engine`).
 
         Without ``autocommit_engine``, single statements borrow ``engine``'s pool
         in autocommit mode (each check-in then resets the isolation level). On
@@ -354,9 +686,10 @@ class LeaseStore:
         """
         self.engine = engine
         self.dialect = engine.dialect.name
+        self.bounds = bounds
         self._own_auto = autocommit_engine
         if self.dialect == "sqlite":
-            _configure_sqlite(engine)
+            _configure_sqlite(engine, bounds)
             self._auto = autocommit_engine or engine.execution_options(**{SQLITE_AUTOCOMMIT: True})
         else:
             self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -382,21 +715,25 @@ class LeaseStore:
                 self._claim_driver = DriverStatement(self._auto, self._claim_stmt, returns_row=True)
 
     @classmethod
-    def from_url(cls, url: str, **engine_kwargs: Any) -> LeaseStore:
-        """A store on new engines for ``url``.
+    def from_url(
+        cls, url: str, *, lease_seconds: float | None = None, **engine_kwargs: Any
+    ) -> LeaseStore:
+        """A store on new engines for ``url``, its waits bounded for ``lease_seconds``.
 
         On servers, single statements get an engine of their own whose
         connections stay in autocommit mode (no reset per check-out); SQLite
         shares one pool, whose connections commit each statement outside
-        ``BEGIN`` by themselves.
+        ``BEGIN`` by themselves. Without ``lease_seconds`` the bounds are those
+        of the default 30 s lease.
         """
-        engine = create_lease_engine(url, **engine_kwargs)
+        bounds = DEFAULT_BOUNDS if lease_seconds is None else WaitBounds.for_lease(lease_seconds)
+        engine = create_lease_engine(url, bounds=bounds, **engine_kwargs)
         if engine.dialect.name == "sqlite":
-            return cls(engine)
+            return cls(engine, bounds=bounds)
         # Autocommit connections never hold a transaction: no reset on check-in.
         auto_kwargs = {"pool_reset_on_return": None, **engine_kwargs}
-        auto = create_lease_engine(url, isolation_level="AUTOCOMMIT", **auto_kwargs)
-        return cls(engine, autocommit_engine=auto)
+        auto = create_lease_engine(url, bounds=bounds, isolation_level="AUTOCOMMIT", **auto_kwargs)
+        return cls(engine, autocommit_engine=auto, bounds=bounds)
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -480,6 +817,12 @@ class LeaseStore:
             try:
                 return self._claim_once(values, lease_ms, max_attempts, limit)
             except SQLAlchemyError as exc:
+                if isinstance(exc, DBAPIError) and _lock_wait_ended(exc):
+                    # A transaction holds the row (a worker frozen inside fence()):
+                    # that is a live owner as far as this claim can tell.
+                    return ClaimResult(
+                        "busy", run_id, owner, 0, RUNNING, self.bounds.lock, reason="locked"
+                    )
                 found = dberrors.classify(exc, self.dialect)
                 if found.cause not in dberrors.CLAIM_CONTENTION:
                     raise

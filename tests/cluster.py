@@ -8,15 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 
 from celery_lease import LeaseStore
-from tests.helpers import Worker
+from tests.helpers import Worker, plain_engine
 from tests.workerapp import effects, effects_metadata
 
 #: (lease database, broker) pairs the worker tests run on.
 SETUPS = [("sqlite", "filesystem"), ("sqlite", "redis"), ("postgresql", "redis")]
 SETUP_IDS = ["sqlite-fs", "sqlite-redis", "pg-redis"]
+#: PostgreSQL behind PgBouncer (transaction pooling) + Redis, for a chosen subset of tests.
+PGBOUNCER_SETUP = ("pgbouncer", "redis")
+PGBOUNCER_ID = "pgbouncer-redis"
 
 
 class Cluster:
@@ -32,7 +35,7 @@ class Cluster:
         self._workers = workers
         self.store = LeaseStore.from_url(db_url)
         self.store.create_schema()
-        self.engine = create_engine(db_url)
+        self.engine = plain_engine(db_url)
         effects_metadata.create_all(self.engine)
         self.producer = Celery("producer")
         self.producer.conf.update(

@@ -3,8 +3,11 @@
 PostgreSQL and Redis come from ``CELERY_LEASE_TEST_PG_URL`` (an admin URL such as
 ``postgresql+psycopg://postgres@127.0.0.1:5433/postgres``) and
 ``CELERY_LEASE_TEST_REDIS_URL``; MySQL/MariaDB from ``CELERY_LEASE_TEST_MYSQL_URL``
-(e.g. ``mysql+pymysql://root@127.0.0.1:3306/mysql``). Without them those tests skip, except under
-``CI=true``, where they fail.
+(e.g. ``mysql+pymysql://root@127.0.0.1:3306/mysql``); PgBouncer from
+``CELERY_LEASE_TEST_PGBOUNCER_URL`` (e.g. ``postgresql+psycopg://postgres@127.0.0.1:6432/postgres``:
+a PgBouncer in ``pool_mode = transaction`` in front of that PostgreSQL, with a wildcard
+``* = host=... port=...`` database entry so each test's scratch database is reachable through it).
+Without them those tests skip, except under ``CI=true``, where they fail.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from celery_lease.store import LeaseStore
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
@@ -22,6 +26,7 @@ from tests.helpers import Worker, require, scratch_database
 PG_ENV = "CELERY_LEASE_TEST_PG_URL"
 REDIS_ENV = "CELERY_LEASE_TEST_REDIS_URL"
 MYSQL_ENV = "CELERY_LEASE_TEST_MYSQL_URL"
+PGBOUNCER_ENV = "CELERY_LEASE_TEST_PGBOUNCER_URL"
 
 
 def _pg_admin_url() -> str | None:
@@ -34,6 +39,16 @@ def pg_url() -> Iterator[str]:
     admin = require(_pg_admin_url(), f"PostgreSQL ({PG_ENV})")
     with scratch_database(admin) as url:
         yield url
+
+
+@pytest.fixture
+def pgbouncer_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test, reached through PgBouncer (transaction mode)."""
+    bouncer = make_url(require(os.environ.get(PGBOUNCER_ENV), f"PgBouncer ({PGBOUNCER_ENV})"))
+    admin = require(_pg_admin_url(), f"PostgreSQL ({PG_ENV})")
+    with scratch_database(admin) as direct:
+        pooled = make_url(direct).set(host=bouncer.host, port=bouncer.port)
+        yield pooled.render_as_string(hide_password=False)
 
 
 @pytest.fixture
@@ -56,10 +71,16 @@ def db_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(f"{request.param.replace('postgresql', 'pg')}_url"))
 
 
+@pytest.fixture(params=["sqlite", "postgresql", "mysql", "pgbouncer"])
+def lease_db_url(request: pytest.FixtureRequest) -> str:
+    """The lease database URL for store and task tests: each backend, and PgBouncer."""
+    return str(request.getfixturevalue(f"{request.param.replace('postgresql', 'pg')}_url"))
+
+
 @pytest.fixture
-def store(db_url: str) -> Iterator[LeaseStore]:
-    """A LeaseStore with its schema created."""
-    lease_store = LeaseStore.from_url(db_url)
+def store(lease_db_url: str) -> Iterator[LeaseStore]:
+    """A LeaseStore with its schema created (each backend, and through PgBouncer)."""
+    lease_store = LeaseStore.from_url(lease_db_url)
     lease_store.create_schema()
     yield lease_store
     lease_store.dispose()
@@ -84,9 +105,10 @@ def workers(tmp_path: Path) -> Iterator[list[Worker]]:
 def cluster(
     request: pytest.FixtureRequest, tmp_path: Path, workers: list[Worker]
 ) -> Iterator[Cluster]:
-    """A cluster per set-up: SQLite + filesystem broker, SQLite + Redis, PostgreSQL + Redis."""
+    """A cluster per set-up: SQLite + filesystem broker, SQLite + Redis, PostgreSQL + Redis
+    (and PgBouncer + Redis where a test asks for ``PGBOUNCER_SETUP``)."""
     db, broker = request.param
-    db_url = request.getfixturevalue("sqlite_url" if db == "sqlite" else "pg_url")
+    db_url = request.getfixturevalue({"postgresql": "pg_url"}.get(db, f"{db}_url"))
     if broker == "redis":
         redis = request.getfixturevalue("redis_url")
         broker_env = {"CL_BROKER_URL": redis, "CL_RESULT_BACKEND": redis}

@@ -59,6 +59,20 @@ def scratch_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
         engine.dispose()
 
 
+def plain_engine(url: str) -> Any:
+    """An application's own engine on ``url``, safe behind a transaction pooler.
+
+    psycopg prepares a statement after its fifth run; behind PgBouncer in
+    transaction mode that prepared name is missing on the next server
+    connection. Any engine of your own there needs ``prepare_threshold=None``.
+    """
+    from sqlalchemy import create_engine
+
+    if url.startswith("postgresql+psycopg:"):
+        return create_engine(url, connect_args={"prepare_threshold": None})
+    return create_engine(url)
+
+
 @contextlib.contextmanager
 def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
     """Record ``(thread id, SQL)`` for every statement the database driver executes.
@@ -68,6 +82,8 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
     connections are dropped first so new ones get it; their connect-time
     pragmas are not recorded). psycopg and PyMySQL: their cursor's ``execute``
     is wrapped for the duration. Shared by the tests and ``benchmarks/sql.py``.
+    The ``set_config`` call that bounds each psycopg statement is not counted:
+    it travels in the statement's own round trip (the same query, or pipeline).
     """
     from sqlalchemy import event
 
@@ -75,7 +91,12 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
     seen: list[tuple[int, str]] = []
 
     def record(sql: Any) -> None:
-        seen.append((threading.get_ident(), str(sql)))
+        text = sql.decode() if isinstance(sql, bytes) else str(sql)
+        if text.startswith("SELECT set_config('statement_timeout'"):
+            _, sent_with, text = text.partition("; ")
+            if not sent_with:
+                return  # pipelined ahead of the statement it bounds
+        seen.append((threading.get_ident(), text))
 
     dialect = engines[0].dialect.name
     restore: list[tuple[Any, str, Any]] = []

@@ -16,12 +16,12 @@ from .helpers import driver_statements
 
 
 @pytest.fixture
-def app(db_url: str) -> Iterator[Celery]:
+def app(lease_db_url: str) -> Iterator[Celery]:
     app = Celery("inproc", set_as_current=False)
     app.conf.update(
         broker_url="memory://",
         result_backend="cache+memory://",
-        lease_database_url=db_url,
+        lease_database_url=lease_db_url,
         broker_connection_retry_on_startup=True,
     )
     store_for(app).create_schema()

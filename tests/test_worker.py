@@ -1,7 +1,9 @@
 """LeasedTask in real ``celery worker -P prefork -c 2`` processes.
 
 Each test runs on three set-ups: SQLite + filesystem broker (the embedded
-default), SQLite + Redis, PostgreSQL + Redis.
+default), SQLite + Redis, PostgreSQL + Redis. A representative subset (the plain
+run, a duplicate delivery, a takeover after SIGSTOP) also runs on PostgreSQL
+behind PgBouncer in transaction mode.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import PGBOUNCER_ID, PGBOUNCER_SETUP, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import REPO, Worker, wait_for
 
+#: The three set-ups plus PostgreSQL behind PgBouncer (transaction pooling).
+WITH_PGBOUNCER = pytest.mark.parametrize(
+    "cluster", [*SETUPS, PGBOUNCER_SETUP], ids=[*SETUP_IDS, PGBOUNCER_ID], indirect=True
+)
 
+
+@WITH_PGBOUNCER
 @pytest.mark.timeout(90)
 def test_task_succeeds_with_attempt_one(cluster: Cluster) -> None:
     """A plain run ends succeeded, attempt 1, with one committed effect."""
@@ -28,6 +36,7 @@ def test_task_succeeds_with_attempt_one(cluster: Cluster) -> None:
     assert len(cluster.effects(run_id, "commit")) == 1
 
 
+@WITH_PGBOUNCER
 @pytest.mark.timeout(120)
 def test_duplicate_delivery_runs_body_once(cluster: Cluster) -> None:
     """The same task id delivered twice while the first runs: the body runs once."""
@@ -49,6 +58,7 @@ def test_duplicate_delivery_runs_body_once(cluster: Cluster) -> None:
     assert row is not None and row.attempt == 1
 
 
+@WITH_PGBOUNCER
 @pytest.mark.timeout(150)
 def test_paused_worker_completion_refused_after_takeover(cluster: Cluster) -> None:
     """SIGSTOP a worker past its lease; another takes over; after SIGCONT its completion

@@ -13,10 +13,12 @@ import time
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, insert
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
 from celery_lease.app import shutting_down
+from celery_lease.store import WaitBounds, create_lease_engine
+from tests.helpers import plain_engine
 
 if os.environ.get("CL_CLOCK_SKEW"):
     # Chaos: this process's wall clock is wrong by CL_CLOCK_SKEW seconds. Leases
@@ -79,15 +81,27 @@ effects = Table(
 )
 
 _engine: Any = None
+_lease_db_engine: Any = None
 
 
 def effects_engine() -> Any:
-    """An engine on the lease database for the effects table (one per process)."""
+    """An engine for the effects table (one per process): on ``CL_EFFECTS_DB`` when set
+    (the same database reached another way), else on the lease database."""
     global _engine
     if _engine is None or _engine.pid != os.getpid():
-        _engine = create_engine(app.conf.lease_database_url)
+        _engine = plain_engine(os.environ.get("CL_EFFECTS_DB") or app.conf.lease_database_url)
         _engine.pid = os.getpid()
     return _engine
+
+
+def lease_db_engine() -> Any:
+    """An application engine on the lease database with the library's bounded waits."""
+    global _lease_db_engine
+    if _lease_db_engine is None or _lease_db_engine.pid != os.getpid():
+        bounds = WaitBounds.for_lease(app.conf.lease_seconds)
+        _lease_db_engine = create_lease_engine(app.conf.lease_database_url, bounds=bounds)
+        _lease_db_engine.pid = os.getpid()
+    return _lease_db_engine
 
 
 def record(run_id: str, attempt: int, kind: str, conn: Any = None) -> None:
@@ -351,3 +365,22 @@ def refused(self: LeasedTask, card_number: str) -> str:
     arguments reach the claim's SQL parameters (payload and concurrency key)."""
     record(self.lease.run_id, self.lease.attempt, "start")
     return "unreachable"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.partitioned")
+def partitioned(self: LeasedTask, seconds: float) -> str:
+    """The partition chaos task: work (checking the lease), make one side effect guarded
+    by ``check()`` alone (on ``CL_EFFECTS_DB``, which the partition does not cut), then
+    commit one effect with the run's success through ``fence(complete=True)`` on the
+    lease database."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        self.lease.check()
+        time.sleep(0.02)
+    self.lease.check()
+    record(self.lease.run_id, self.lease.attempt, "guarded")
+    with lease_db_engine().begin() as conn:
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    return "committed"

@@ -75,3 +75,35 @@ def check(cluster: Cluster, run_ids: list[str]) -> History:
         if record.attempt > 1:
             history.retried += 1
     return history
+
+
+def guarded_overlaps(cluster: Cluster, run_ids: list[str]) -> list[str]:
+    """Side effects guarded by ``check()`` alone that an attempt made after a later attempt
+    of the same run had started: the double effects a stale lease holder must never make.
+
+    An attempt's ``guarded`` effect is fine before the next attempt's ``start`` (its lease
+    was live, then lost before the commit; the next attempt redoes the work, as any retry
+    does). After it, two owners acted at once.
+    """
+    with cluster.engine.connect() as conn:
+        rows = conn.execute(
+            select(effects).where(
+                effects.c.run_id.in_(run_ids), effects.c.kind.in_(("start", "guarded"))
+            )
+        ).all()
+    starts: dict[str, dict[int, float]] = defaultdict(dict)
+    for row in rows:
+        if row.kind == "start":
+            first = starts[row.run_id].get(row.attempt)
+            starts[row.run_id][row.attempt] = row.at if first is None else min(first, row.at)
+    found = []
+    for row in rows:
+        if row.kind != "guarded":
+            continue
+        later = [at for attempt, at in starts[row.run_id].items() if attempt > row.attempt]
+        if later and row.at > min(later):
+            found.append(
+                f"{row.run_id}: attempt {row.attempt} wrote its guarded effect "
+                f"{row.at - min(later):.3f}s after a later attempt started"
+            )
+    return found

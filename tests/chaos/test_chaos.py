@@ -17,14 +17,17 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.history import History, check
-from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.chaos.history import History, check, guarded_overlaps
+from tests.cluster import PGBOUNCER_ID, PGBOUNCER_SETUP, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import Worker, require, wait_for
+from tests.proxy import Proxy
 
-pytestmark = [
-    pytest.mark.chaos,
-    pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True),
-]
+pytestmark = pytest.mark.chaos
+#: PostgreSQL + Redis; and the same through PgBouncer in transaction mode.
+ON_PG = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+ON_PG_AND_PGBOUNCER = pytest.mark.parametrize(
+    "cluster", [SETUPS[2], PGBOUNCER_SETUP], ids=[SETUP_IDS[2], PGBOUNCER_ID], indirect=True
+)
 
 TIMING = {
     "CL_LEASE_SECONDS": "2",
@@ -56,6 +59,7 @@ def pg_control() -> Iterator[tuple[str, str]]:
     yield str(data), bin_dir
 
 
+@ON_PG_AND_PGBOUNCER
 @pytest.mark.timeout(400)
 def test_kill9_random_workers_during_300_runs(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
@@ -80,6 +84,7 @@ def test_kill9_random_workers_during_300_runs(
     report(capsys, f"kill9 x{kills}", history)
 
 
+@ON_PG
 @pytest.mark.timeout(150)
 def test_sigstop_stale_worker_commits_nothing(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
@@ -110,6 +115,7 @@ def test_sigstop_stale_worker_commits_nothing(
     report(capsys, "sigstop", history)
 
 
+@ON_PG
 @pytest.mark.timeout(300)
 def test_postgres_restart_mid_batch(
     cluster: Cluster, capsys: pytest.CaptureFixture[str], pg_control: tuple[str, str]
@@ -143,6 +149,7 @@ def test_postgres_restart_mid_batch(
     report(capsys, "pg-restart", history)
 
 
+@ON_PG_AND_PGBOUNCER
 @pytest.mark.timeout(150)
 def test_duplicate_storm(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     """The same task id published 50 times while it runs: one effect."""
@@ -159,6 +166,7 @@ def test_duplicate_storm(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -
     report(capsys, "duplicate-storm x50", history)
 
 
+@ON_PG
 @pytest.mark.timeout(200)
 def test_worker_clock_skew(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     """Workers whose time.time() is off by +-5 minutes hold and lose leases correctly:
@@ -242,3 +250,55 @@ def _pids(worker: Worker) -> set[int]:
 
 def _other(cluster: Cluster, not_this: Worker) -> Worker:
     return next(w for w in cluster._workers if w is not not_this and w.name != "beat")
+
+
+@ON_PG
+@pytest.mark.timeout(240)
+def test_network_partition_while_holding_leases(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each worker reaches PostgreSQL through its own TCP proxy; the driver partitions one
+    at a time (packets dropped, not refused) for longer than the lease while it holds
+    leases, 100 runs in all: no check()-guarded side effect after a takeover, exactly one
+    fenced commit per run, every run terminal, and no worker left hanging after healing."""
+    rng = random.Random(20261203)
+    proxies = [Proxy.for_url(cluster.db_url) for _ in range(2)]
+    try:
+        workers = [
+            cluster.start(
+                f"w{i}", conf=CONF, CL_LEASE_DB=via, CL_EFFECTS_DB=cluster.db_url, **TIMING
+            )
+            for i, (_, via) in enumerate(proxies)
+        ]
+        cluster.start_beat(SWEEP)  # the sweeper reaches PostgreSQL directly
+        run_ids = [cluster.send("workerapp.partitioned", rng.uniform(0.3, 1.2)) for _ in range(100)]
+        partitions = 0
+        stop_at = time.monotonic() + 30
+        while time.monotonic() < stop_at:
+            time.sleep(rng.uniform(1.0, 2.0))
+            proxy, _ = proxies[partitions % 2]
+            proxy.partition()
+            partitions += 1
+            time.sleep(rng.uniform(2.5, 3.5))  # past the 2 s lease
+            proxy.heal()
+        healed_at = time.time()
+        wait_for(lambda: all_terminal(cluster, run_ids), 120, interval=1.0, what="all 100 runs")
+        # After healing, both workers serve again: no connection is left hung.
+        after = [cluster.send("workerapp.partitioned", 0.1) for _ in range(20)]
+        wait_for(lambda: all_terminal(cluster, after), 60, interval=0.5, what="runs after healing")
+        committers = {e.pid for r in after for e in cluster.effects(r, "commit")}
+        assert all(committers & _pids(w) for w in workers), "a worker stayed hung after healing"
+        history = check(cluster, run_ids + after)
+        overlaps = guarded_overlaps(cluster, run_ids + after)
+        cut = sum("no reply from the lease database" in w.log() for w in workers)
+        with capsys.disabled():
+            print(
+                f"\npartitions={partitions} guarded_double_effects={len(overlaps)} "
+                f"workers_with_cut_connections={cut} healed_at={healed_at:.0f}"
+            )
+        assert overlaps == [], overlaps[:10]
+        assert partitions >= 6
+        report(capsys, f"partition x{partitions}", history)
+    finally:
+        for proxy, _ in proxies:
+            proxy.close()
