@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError
 
+from celery_lease.errors import LeaseDatabaseError
 from celery_lease.store import LeaseStore, WaitBounds
 from tests.helpers import plain_engine
 from tests.proxy import Proxy
@@ -54,7 +54,7 @@ def test_takeover_behind_frozen_fence_reports_busy_within_lock_bound(
             taken = _claim(store, "r1", "B")
             waited = time.monotonic() - started
             beat_started = time.monotonic()
-            with pytest.raises(DBAPIError):
+            with pytest.raises(LeaseDatabaseError):
                 store.heartbeat([("r2", "A", live.attempt)])  # its own frozen fence
             beat_waited = time.monotonic() - beat_started
             tx.rollback()
@@ -83,12 +83,12 @@ def test_heartbeat_through_a_partition_fails_within_client_bound(pg_url: str) ->
         assert store.heartbeat([key]).renewed == {key}
         proxy.partition()
         started = time.monotonic()
-        with pytest.raises(DBAPIError):
+        with pytest.raises(LeaseDatabaseError):
             store.heartbeat([key])
         waited = time.monotonic() - started
         assert waited < store.bounds.client + 1.0, waited
         started = time.monotonic()
-        with pytest.raises(DBAPIError):
+        with pytest.raises(LeaseDatabaseError):
             store.heartbeat([key])  # a new connection: the connect is bounded too
         assert time.monotonic() - started < store.bounds.connect + store.bounds.client + 1.0
         proxy.heal()
