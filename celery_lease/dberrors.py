@@ -87,6 +87,9 @@ class PostgresErrors:
         ("password authentication failed", _p("auth_failed")),
         ("no pg_hba.conf entry", _p("auth_failed")),
         ('role "', _p("auth_failed")),  # role "x" does not exist
+        # database "x" is not currently accepting connections: it will again.
+        ("not currently accepting connections", _t("server_starting")),
+        ("the database system is", _t("server_starting")),  # starting up / shutting down
         ('database "', _p("missing_database")),  # database "x" does not exist
         ("connection refused", _t("connection_refused")),
         ("failed to resolve host", _t("unknown_host")),
