@@ -860,10 +860,13 @@ class LeasedTask(Task):  # type: ignore[misc]
                 concurrency_key=self._concurrency_key(config, args, kwargs),
             )
         except Exception as exc:
-            logger.warning(
-                "celery-lease: could not keep %s for the sweeper: %s",
+            emit(
+                "keep_error",
+                run_id,
+                "delivery %s: could not keep it for the sweeper either: %s",
                 request.id,
                 describe_exception(exc),
+                level=logging.WARNING,
             )
             return False
         if kept:
