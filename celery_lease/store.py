@@ -1471,6 +1471,89 @@ class LeaseStore:
     # -- recovery -------------------------------------------------------------
 
     @_db_errors
+    def keep_delivery(
+        self,
+        run_id: str,
+        *,
+        task_name: str,
+        task_id: str,
+        payload: bytes,
+        payload_content_type: str,
+        lease_ms: int,
+        max_attempts: int,
+        available_in: float = 0.0,
+        concurrency_key: str | None = None,
+    ) -> bool:
+        """Leave a delivery the broker refused to the sweeper; True when a sweep will send it.
+
+        No row: a ``queued`` row (attempt 0) carrying the message and ``task_id``,
+        available after ``available_in`` s, which :meth:`reclaim_stale` finds.
+        A row that is not terminal and whose own delivery is this one (or that
+        has no stored message, which it then takes) is left as it is:
+        ``queued``/``retrying`` rows are reclaimed, a ``running`` one ends or is
+        handed back by :meth:`sweep_expired`. A terminal row, or one whose own
+        delivery has another task id, cannot carry this delivery: False.
+        """
+        now = db_now_ms()
+        waiting = {
+            "id": run_id,
+            "task_name": task_name,
+            "status": QUEUED,
+            "lease_owner": None,
+            "lease_ms": lease_ms,
+            "attempt": 0,
+            "max_attempts": max_attempts,
+            "available_at": now + round(max(0.0, available_in) * 1000),
+            "concurrency_key": concurrency_key,
+            "task_id": task_id,
+            "payload": payload,
+            "payload_content_type": payload_content_type,
+            "created_at": now,
+            "updated_at": now,
+        }
+        adopt = runs.c.payload.is_(None)
+        keeps = and_(
+            runs.c.status.not_in(sorted(TERMINAL_STATUSES)),
+            or_(adopt, func.coalesce(runs.c.task_id, runs.c.id) == task_id),
+        )
+        if self._upsert:
+            dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+            insert_stmt = dialect_insert(runs).values(waiting)
+            excluded = insert_stmt.excluded
+            stmt = insert_stmt.on_conflict_do_update(
+                index_elements=[runs.c.id],
+                set_={
+                    "task_id": case((adopt, excluded.task_id), else_=runs.c.task_id),
+                    "payload": func.coalesce(runs.c.payload, excluded.payload),
+                    "payload_content_type": case(
+                        (adopt, excluded.payload_content_type),
+                        else_=runs.c.payload_content_type,
+                    ),
+                },
+                where=keeps,
+            ).returning(runs.c.id)
+            with self._auto.connect() as conn:
+                return conn.execute(stmt).first() is not None
+        # MySQL: no upsert with a condition; the same in one short locked transaction.
+        # A claim inserting the row meanwhile makes it fail (a duplicate key or a
+        # deadlock): the caller then treats the delivery as not kept.
+        adopted = {
+            "task_id": task_id,
+            "payload": payload,
+            "payload_content_type": payload_content_type,
+        }
+        with self.engine.begin() as conn:
+            found = conn.execute(
+                select(runs.c.id).where(runs.c.id == run_id).with_for_update()
+            ).first()
+            if found is None:
+                conn.execute(insert(runs).values(waiting))
+                return True
+            conn.execute(update(runs).where(runs.c.id == run_id, adopt, keeps).values(adopted))
+            kept = conn.execute(select(runs.c.id).where(runs.c.id == run_id, keeps)).first()
+            return kept is not None
+
+    @_db_errors
     def sweep_expired(self, limit: int = 500) -> list[tuple[RunRecord, str]]:
         """End or hand back running runs whose lease expired (DB clock), at most ``limit``.
 

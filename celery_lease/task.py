@@ -54,6 +54,9 @@ DB_ERRORS_HEADER = "celery_lease_db_errors"
 #: The longest run id the ``id`` column holds; longer ids are hashed (see run_id_for).
 MAX_RUN_ID_LENGTH = 255
 
+#: How long a refused re-publish is retried before the delivery is left to the sweeper.
+PUBLISH_RETRY_SECONDS = 3.0
+
 #: How many times a duplicate of a finished run waits for that run's result to be
 #: stored by Celery before it gives up and reports ``None``.
 RESULT_WAIT_TRIES = 8
@@ -781,7 +784,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         """Publish this delivery again after ``countdown`` s and drop this one silently.
 
         Dropping with ``Ignore`` writes nothing to the result backend, which a
-        duplicate shares with the run it duplicates.
+        duplicate shares with the run it duplicates. A delivery the broker
+        refuses is kept for the sweeper (see :meth:`_publish_again`); only when
+        the lease database refuses it too is it rejected with ``requeue=True``,
+        which brings it back only under ``acks_late``.
         """
         if self._direct():
             raise cause
@@ -789,23 +795,92 @@ class LeasedTask(Task):  # type: ignore[misc]
             self._publish_again(countdown, **options)
         except Exception as exc:
             logger.error(
-                "celery-lease: could not re-publish %s (%s): asking the broker to requeue",
+                "celery-lease: could not re-publish %s (%s) nor keep it for the sweeper: "
+                "asking the broker to requeue; without acks_late this delivery may be lost",
                 self.request.id,
                 describe_exception(exc),
+                extra={"lease_event": "delivery_lost"},
             )
             raise Reject(requeue=True) from exc
         raise Ignore()
 
     def _publish_again(self, countdown: float, **options: Any) -> None:
+        """Send this delivery again after ``countdown`` s, or leave it to the sweeper.
+
+        A refused publish is retried with backoff for up to
+        ``PUBLISH_RETRY_SECONDS`` (kombu retries each one briefly as well). Then
+        the delivery is recorded in the lease database
+        (:meth:`~celery_lease.store.LeaseStore.keep_delivery`), and the sweeper
+        sends it once the broker is back.
+
+        Raises:
+            Exception: the last publish error, when the delivery could not be kept.
+        """
         request = self.request
-        self.signature_from_request(
+        signature = self.signature_from_request(
             request,
             request.args,
             request.kwargs,
             countdown=max(0.0, countdown),
             retries=request.retries + 1,
             **options,
-        ).apply_async()
+        )
+        deadline = time.monotonic() + PUBLISH_RETRY_SECONDS
+        delay = 0.25
+        while True:
+            try:
+                signature.clone().apply_async()
+                return
+            except Exception as exc:
+                if time.monotonic() + delay >= deadline:
+                    if self._keep_for_sweeper(signature, countdown, exc):
+                        return
+                    raise
+                time.sleep(delay)
+                delay *= 2
+
+    def _keep_for_sweeper(self, signature: Any, countdown: float, error: Exception) -> bool:
+        """Record the unsent ``signature`` for the sweeper; True when a sweep will send it."""
+        request = self.request
+        args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+        run_id = None
+        try:
+            config = self.lease_config()
+            run_id = self.run_id_for(args, kwargs)
+            data, content_type = self._encode(dict(signature))
+            kept = runtime_for(self.app, config).store.keep_delivery(
+                run_id,
+                task_name=self.name,
+                task_id=str(request.id),
+                payload=data,
+                payload_content_type=content_type,
+                lease_ms=config.lease_ms,
+                max_attempts=config.max_attempts,
+                available_in=countdown,
+                concurrency_key=self._concurrency_key(config, args, kwargs),
+            )
+        except Exception as exc:
+            emit(
+                "keep_error",
+                run_id,
+                "delivery %s: could not keep it for the sweeper either: %s",
+                request.id,
+                describe_exception(exc),
+                level=logging.WARNING,
+            )
+            return False
+        if kept:
+            emit(
+                "publish_deferred",
+                run_id,
+                "run %s: the broker refused the re-publish of %s (%s); kept in the lease "
+                "database, the sweeper sends it",
+                run_id,
+                request.id,
+                describe_exception(error),
+                level=logging.WARNING,
+            )
+        return kept
 
     def _release_quietly(self, runtime: Runtime, lease: Lease) -> None:
         try:

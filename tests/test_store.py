@@ -405,3 +405,54 @@ def test_sqlite_hot_path_commits_after_someone_switched_to_autocommit(sqlite_url
     row = fresh.get("r1")
     fresh.dispose()
     assert row is not None and row.status == "succeeded"
+
+
+def keep(store: LeaseStore, run_id: str, task_id: str, message: bytes = b"{}") -> bool:
+    return store.keep_delivery(
+        run_id,
+        task_name="t",
+        task_id=task_id,
+        payload=message,
+        payload_content_type="application/json",
+        lease_ms=2000,
+        max_attempts=5,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_keep_delivery_leaves_each_refused_publish_to_the_sweeper(store: LeaseStore) -> None:
+    """keep_delivery: no row -> a queued row with the message, which reclaim_stale returns;
+    a live run of the same delivery is kept as it is; a finished run, or a run whose
+    own delivery has another task id, cannot keep it."""
+    assert keep(store, "new", "new", b'{"m": 1}')
+    row = store.get("new")
+    assert row is not None and (row.status, row.attempt, row.task_id) == ("queued", 0, "new")
+    assert (row.payload, row.payload_content_type) == (b'{"m": 1}', "application/json")
+    assert [r.id for r in store.reclaim_stale(0)] == ["new"]
+    assert claim(store, "new", "A", task_id="new").attempt == 1  # a normal first claim
+
+    claim(store, "held", "A", task_id="held", payload=b"own", payload_content_type="x/y")
+    assert keep(store, "held", "held", b"dup")  # a running run: sweep_expired covers it
+    row = store.get("held")
+    assert row is not None and (row.status, row.payload, row.lease_owner) == (
+        "running",
+        b"own",
+        "A",
+    )
+    assert not keep(store, "held", "other-task")  # not this run's own delivery
+
+    claim(store, "direct", "A")  # a direct call: no message, no task id
+    store.fail("direct", "A", 1, error="e", failure_code="x", retry_in=0.0)
+    assert keep(store, "direct", "t-direct", b"adopted")
+    row = store.get("direct")
+    assert row is not None and (row.status, row.payload, row.task_id) == (
+        "retrying",
+        b"adopted",
+        "t-direct",
+    )
+
+    claim(store, "done", "A", task_id="done", payload=b"own", payload_content_type="x/y")
+    store.complete("done", "A", 1)
+    assert not keep(store, "done", "done")
+    row = store.get("done")
+    assert row is not None and row.status == "succeeded" and row.payload is None

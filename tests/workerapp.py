@@ -384,3 +384,25 @@ def partitioned(self: LeasedTask, seconds: float) -> str:
         self.lease.fence(conn, complete=True)
         record(self.lease.run_id, self.lease.attempt, "commit", conn)
     return "committed"
+
+
+if os.environ.get("CL_PUBLISH_GATE"):
+    # Broker-outage tests: hold the first publish of a workerapp task made after the
+    # test creates ``<gate>/armed``, until it creates ``<gate>/go`` (bounded), so the
+    # test can stop the broker at exactly that moment.
+    from pathlib import Path
+
+    from celery.signals import before_task_publish
+
+    @before_task_publish.connect(weak=False)
+    def _publish_gate(sender: Any = None, **_: Any) -> None:
+        gate = Path(os.environ["CL_PUBLISH_GATE"])
+        if not str(sender).startswith("workerapp."):
+            return
+        try:
+            (gate / "armed").rename(gate / "reached")
+        except FileNotFoundError:
+            return
+        deadline = time.monotonic() + 30
+        while not (gate / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
