@@ -43,6 +43,18 @@ def _pg_version(url: str) -> str:
     return version.split()[0]
 
 
+def _pg_settings(url: str) -> str:
+    """The server's durability settings, as stated on the page."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    names = ("fsync", "synchronous_commit", "full_page_writes", "wal_level", "shared_buffers")
+    with engine.connect() as conn:
+        values = {n: str(conn.execute(text(f"SHOW {n}")).scalar()) for n in names}
+    engine.dispose()
+    return ", ".join(f"`{n} = {v}`" for n, v in values.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small N, one round, one trial")
@@ -86,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                 "sqlalchemy": sqlalchemy.__version__,
                 "postgresql": _pg_version(pg_url) if pg_url else "not used",
             }
+            settings = _pg_settings(pg_url) if pg_url else "not used"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     minutes = (time.monotonic() - began) / 60
     if not args.no_write:
-        DOC.write_text(render(command, sections, versions, tasks, rounds, trials, minutes))
+        page = render(command, sections, versions, tasks, rounds, trials, minutes, settings)
+        DOC.write_text(page)
         print(f"wrote {DOC.relative_to(REPO)}")
     return 0
 
@@ -103,6 +117,7 @@ def render(
     rounds: int,
     trials: int,
     minutes: float,
+    settings: str = "not recorded",
 ) -> str:
     """The page: how it was made, the tables, and what limits the figures."""
     today = datetime.date.today().isoformat()
@@ -123,6 +138,10 @@ def render(
         "machine at the time, so single figures are noisy: throughput is the median of "
         "interleaved rounds, latencies are medians, and ratios are the median of "
         "per-round ratios. Compare rows within one table, not with another machine.",
+        "",
+        f"Database settings. PostgreSQL: {settings}. SQLite (the lease store's own "
+        "connection settings): `journal_mode = WAL`, `synchronous = NORMAL`. Redis: no "
+        "persistence (a broker for the run only).",
         "",
         "## Throughput of a trivial task",
         "",
