@@ -12,6 +12,7 @@ celery-once unlock), ``H run_id attempt t`` when ``bench.hold`` starts.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -30,7 +31,10 @@ def make_app(env: dict[str, str]) -> Celery:
         "task_ignore_result": True,
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": True,
-        "lease_database_url": env.get("BENCH_LEASE_DB") or None,
+        # Plain and celery-once runs use no lease, but the app installs celery-lease,
+        # whose worker refuses the per-host default behind a network broker: name one.
+        "lease_database_url": env.get("BENCH_LEASE_DB")
+        or "sqlite:///" + os.path.join(env.get("BENCH_MARKS") or tempfile.gettempdir(), "x.db"),
         "lease_seconds": float(env.get("BENCH_LEASE_SECONDS", "30")),
     }
     if env.get("BENCH_HEARTBEAT"):
