@@ -118,6 +118,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         run_id = self.run_id_for(args, kwargs)
         try:
             runtime = runtime_for(self.app, config)
+            started_at = time.monotonic()  # before the claim is sent: the lease's local deadline
             claim = runtime.store.claim(
                 run_id,
                 new_owner(self.request.hostname),
@@ -162,6 +163,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             claim.attempt,
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
+            started_at=started_at,
             interrupt=config.interrupt and not self.app.__dict__.get("_celery_lease_green_pool"),
         )
         return self._run_body(config, runtime, lease, args, kwargs)
@@ -199,9 +201,6 @@ class LeasedTask(Task):  # type: ignore[misc]
             self._on_failure(config, runtime, lease, exc)
         else:
             self._complete(config, runtime, lease)
-            emit(
-                "completed", lease.run_id, "run %s: succeeded", lease.run_id, attempt=lease.attempt
-            )
             return result
         finally:
             runtime.heartbeat.unregister(lease)
@@ -215,7 +214,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         delay = 0.05
         while True:
             try:
-                runtime.store.complete(lease.run_id, lease.owner, lease.attempt)
+                lease.complete()
                 return
             except LeaseLost as exc:
                 self._on_lost(config, lease, exc)
@@ -234,9 +233,9 @@ class LeasedTask(Task):  # type: ignore[misc]
     def _on_lost(self, config: LeaseConfig, lease: Lease, exc: LeaseLost) -> NoReturn:
         # The heartbeat logs the loss it detects; here only what this call
         # learned (e.g. the refused completion) and the policy applied.
-        first = lease.mark_lost(exc.reason)
+        lease.mark_lost(exc.reason)
         emit(
-            "lost" if first else "lost_handled",
+            "lost_handled",
             lease.run_id,
             "%s (policy %s)",
             exc,
@@ -297,10 +296,9 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def _on_cancelled(self, config: LeaseConfig, runtime: Runtime, lease: Lease) -> NoReturn:
         try:
-            runtime.store.mark_cancelled(lease.run_id, lease.owner, lease.attempt)
+            lease.mark_cancelled()
         except LeaseLost as exc:
             self._on_lost(config, lease, exc)
-        emit("cancelled", lease.run_id, "run %s: cancelled", lease.run_id, attempt=lease.attempt)
         self._mark_revoked(lease.run_id)
         raise Ignore()
 
