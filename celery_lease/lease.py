@@ -626,14 +626,17 @@ class Watchdog:
         self._leases: set[Lease] = set()
         self._cond = threading.Condition()
         self._generation = 0
+        self._polling = False
+        self._wake_at = float("-inf")  # when the sleeping thread wakes up next
         self._thread: threading.Thread | None = None
 
     def watch(self, lease: Lease) -> None:
         """Start watching ``lease`` (and start the thread if needed)."""
         with self._cond:
             self._leases.add(lease)
-            self._generation += 1
-            self._cond.notify()
+            if self._polling or lease.deadline < self._wake_at:
+                self._generation += 1
+                self._cond.notify()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-watchdog", daemon=True
@@ -664,6 +667,7 @@ class Watchdog:
         while True:
             with self._cond:
                 generation = self._generation
+                self._polling = True
             try:
                 wake = self.poll()
             except Exception:  # never let the watchdog die silently
@@ -673,10 +677,13 @@ class Watchdog:
                 )
                 wake = self._clock() + 1.0
             with self._cond:
+                self._polling = False
                 if self._generation != generation:
                     continue  # a lease was added during the pass
                 timeout = self.IDLE_SECONDS if wake is None else wake - self._clock()
-                self._cond.wait(min(max(timeout, 0.001), self.IDLE_SECONDS))
+                timeout = min(max(timeout, 0.001), self.IDLE_SECONDS)
+                self._wake_at = self._clock() + timeout
+                self._cond.wait(timeout)
 
 
 _watchdog: Watchdog | None = None
