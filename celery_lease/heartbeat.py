@@ -153,4 +153,3 @@ class Heartbeat:
                     "celery-lease heartbeat tick crashed",
                     extra={"lease_event": "heartbeat_error", "run_id": None},
                 )
-
