@@ -181,6 +181,15 @@ class Lease:
         return self._cancel_seen
 
     @property
+    def completed_pending(self) -> bool:
+        """True once ``fence(complete=True)`` wrote this owner's success and it did not roll back.
+
+        The run may then be recorded succeeded (``completing``: not committed
+        yet; ``completed``: committed).
+        """
+        return self._state in (LeaseState.COMPLETING, LeaseState.COMPLETED)
+
+    @property
     def renewable(self) -> bool:
         """Whether the heartbeat should still renew this lease."""
         state = self._state

@@ -172,7 +172,7 @@ def test_rollback_of_fenced_completion_then_takeover_is_detected(
         lease.fence(conn, complete=True)
         assert lease.state is LeaseState.COMPLETING
         raise RuntimeError("roll back")
-    assert lease.state is LeaseState.HELD
+    assert lease.state is LeaseState.HELD and not lease.completed_pending
     testing.steal_lease(store, "r1")
     heartbeat.beat_once()
     with pytest.raises(LeaseLost, match="heartbeat refused"):
