@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from .events import emit
-from .lease import Lease
+from .lease import Lease, block_signals_in_side_thread
 from .sanitize import describe_exception
 from .store import HeartbeatResult, LeaseStore
 
@@ -139,6 +139,7 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        block_signals_in_side_thread()
         while not self._stop.is_set():
             with self._lock:
                 wait = self._wait_locked()

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import platform
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,27 @@ def safety_margin(lease_seconds: float) -> float:
     (a check in flight, a scheduling delay); the slack covers clock rates.
     """
     return lease_seconds * (SAFETY_FRACTION + CLOCK_RATE_SLACK)
+
+
+#: Process-directed signals a side thread must never be the one to receive.
+_SIDE_THREAD_BLOCKED = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
+    if hasattr(signal, name)
+)
+
+
+def block_signals_in_side_thread() -> None:
+    """Leave this thread out of process-directed signal delivery (call it first in the thread).
+
+    A pool child masks ``SIGTERM`` in its main thread while it reports its exit
+    through a shared pipe lock (billiard). If the signal, by then at its
+    default action, were delivered to a side thread instead, the process would
+    die holding that lock and freeze every other child of the pool. Signals
+    then go to the main thread, which handles them anyway.
+    """
+    if hasattr(signal, "pthread_sigmask") and _SIDE_THREAD_BLOCKED:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SIDE_THREAD_BLOCKED)
 
 
 def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
@@ -673,6 +695,7 @@ class Watchdog:
         return min((w for w in wakes if w is not None), default=None)
 
     def _run(self) -> None:
+        block_signals_in_side_thread()
         while True:
             with self._cond:
                 generation = self._generation

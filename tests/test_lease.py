@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -395,3 +397,33 @@ def test_stalled_heartbeat_worker_gives_up_before_a_takeover(cluster: Cluster) -
     )
     assert cluster.effects(spun, "body_end") == []
     assert "local deadline passed" in w1.log()
+
+
+def _blocked_signals(native_id: int) -> int:
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    return int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_side_threads_never_take_a_process_signal(sqlite_store: LeaseStore) -> None:
+    """The watchdog and heartbeat threads block SIGTERM: a pool child killed while it
+    reports its exit (SIGTERM masked in its main thread) must not die in a side thread
+    holding the pool's pipe lock (it froze the whole prefork pool)."""
+    lease = held(sqlite_store, "r1", 30.0)
+    dog = Watchdog()
+    dog.watch(lease)
+    heartbeat = Heartbeat(sqlite_store, interval=0.1)
+    heartbeat.register(lease)
+    try:
+        for thread in (dog._thread, heartbeat._thread):
+            assert thread is not None and thread.native_id is not None
+            mask = wait_for(lambda t=thread: _blocked_signals(t.native_id), 5, what="the mask")
+            assert mask & (1 << (signal.SIGTERM - 1))
+        assert not _blocked_signals(threading.main_thread().native_id or 0) & (
+            1 << (signal.SIGTERM - 1)
+        )
+    finally:
+        heartbeat.stop()
+        dog.unwatch(lease)
