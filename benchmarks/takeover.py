@@ -8,8 +8,10 @@ to one heartbeat interval, A is stopped:
 
 * ``kill -9`` of A's whole process group: the lease must expire, the sweeper
   hands the run back and re-enqueues it, B claims it (attempt 2);
-* ``SIGTERM`` to A's main process (warm shutdown): celery-lease releases A's
-  leases and re-enqueues them at once; B claims the run.
+* ``SIGQUIT`` to A's main process (cold shutdown: Celery cancels the running
+  body): celery-lease hands A's leases back and re-enqueues them at once; B
+  claims the run. (A warm shutdown, ``SIGTERM``, lets the body finish under its
+  lease instead, as Celery promises, so it hands nothing over.)
 
 Latency = time from the signal to attempt 2's body starting on B (wall clocks of
 one machine).
@@ -44,7 +46,7 @@ def _hold_started(marks: Path, run_id: str, attempt: int) -> float | None:
 
 
 def run(trials: int, work: Path, log: Any = print) -> tuple[str, dict[str, Any]]:
-    """``trials`` kill -9 and SIGTERM takeovers; a Markdown table and raw figures."""
+    """``trials`` kill -9 and SIGQUIT (cold shutdown) takeovers: a Markdown table, raw figures."""
     base = Path(tempfile.mkdtemp(prefix="takeover-", dir=work))
     marks = base / "marks"
     marks.mkdir()
@@ -72,12 +74,12 @@ def run(trials: int, work: Path, log: Any = print) -> tuple[str, dict[str, Any]]
         procs.append(proc)
         return proc.wait_ready()
 
-    results: dict[str, list[tuple[float, float]]] = {"kill -9": [], "SIGTERM": []}
+    results: dict[str, list[tuple[float, float]]] = {"kill -9": [], "SIGQUIT": []}
     try:
         beat_args = ["-A", "benchmarks.benchapp", "beat", "-s", str(base / "beat-schedule")]
         procs.append(Proc([*beat_args, "-l", "INFO"], env, base / "beat.log", "beat"))
         for trial in range(trials):
-            for how in ("kill -9", "SIGTERM"):
+            for how in ("kill -9", "SIGQUIT"):
                 a = start(unique("a"))
                 run_id = uuid.uuid4().hex
                 producer.send_task("bench.hold", args=(120.0,), task_id=run_id)
@@ -88,7 +90,7 @@ def run(trials: int, work: Path, log: Any = print) -> tuple[str, dict[str, Any]]
                 if how == "kill -9":
                     a.kill9()
                 else:
-                    a.proc.send_signal(signal.SIGTERM)
+                    a.proc.send_signal(signal.SIGQUIT)
                 row = store.get(run_id)
                 left = 0.0
                 if row is not None and row.lease_expires_at is not None:

@@ -2,10 +2,18 @@
 
 Every record carries ``extra={"lease_event": ..., "run_id": ...}`` so log
 pipelines can filter on it without parsing messages.
+
+Changes of a lease's own state (held, completing, completed, lost, cancel
+requested, cancelled) are typed: :class:`~celery_lease.Lease` makes each one
+and publishes one :class:`Transition` (see :func:`add_transition_listener`).
+The other events (claims, busy deliveries, sweeps, database errors) are
+emitted by name with :func:`emit`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,3 +58,96 @@ def emit(
             listener(event, data)
         except Exception:
             logger.exception("celery-lease event listener %r failed", listener)
+
+
+class LeaseState(str, enum.Enum):
+    """Where a :class:`~celery_lease.Lease` stands; only the lease changes it."""
+
+    HELD = "held"
+    #: A renewal saw ``cancel_requested_at``; the body is to stop.
+    CANCEL_REQUESTED = "cancel_requested"
+    #: The success is written but not committed yet (``fence(complete=True)`` in an
+    #: open transaction, or the guarded completion in flight).
+    COMPLETING = "completing"
+    COMPLETED = "completed"
+    LOST = "lost"
+    CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """One change of one lease's state, as :func:`publish` hands it to listeners."""
+
+    run_id: str
+    owner: str
+    attempt: int
+    previous: LeaseState
+    state: LeaseState
+    #: Why (for ``LOST``: what detected the loss); empty when there is nothing to add.
+    reason: str = ""
+
+
+TransitionListener = Callable[[Transition], None]
+_transition_listeners: list[TransitionListener] = []
+
+#: The ``lease_event`` each state is logged under (kept from the string events).
+_EVENT_NAMES = {
+    LeaseState.HELD: "held",
+    LeaseState.CANCEL_REQUESTED: "cancel_seen",
+    LeaseState.COMPLETING: "completing",
+    LeaseState.COMPLETED: "completed",
+    LeaseState.LOST: "lost",
+    LeaseState.CANCELLED: "cancelled",
+}
+_LEVELS = {
+    LeaseState.HELD: logging.INFO,
+    LeaseState.CANCEL_REQUESTED: logging.INFO,
+    LeaseState.COMPLETING: logging.DEBUG,
+    LeaseState.COMPLETED: logging.INFO,
+    LeaseState.LOST: logging.WARNING,
+    LeaseState.CANCELLED: logging.INFO,
+}
+
+
+def add_transition_listener(listener: TransitionListener) -> None:
+    """Call ``listener(transition)`` for every lease state change (metrics hook here)."""
+    if listener not in _transition_listeners:
+        _transition_listeners.append(listener)
+
+
+def remove_transition_listener(listener: TransitionListener) -> None:
+    """Stop calling ``listener``."""
+    if listener in _transition_listeners:
+        _transition_listeners.remove(listener)
+
+
+def publish(transition: Transition) -> None:
+    """Log one lease transition and hand it to the transition listeners.
+
+    Called by :class:`~celery_lease.Lease` only, once per change. A failing
+    listener is logged and skipped.
+    """
+    level = _LEVELS[transition.state]
+    if not _transition_listeners and not logger.isEnabledFor(level):
+        return
+    logger.log(
+        level,
+        "run %s attempt %d: %s -> %s%s",
+        transition.run_id,
+        transition.attempt,
+        transition.previous.value,
+        transition.state.value,
+        f" ({transition.reason})" if transition.reason else "",
+        extra={
+            "lease_event": _EVENT_NAMES[transition.state],
+            "run_id": transition.run_id,
+            "lease_attempt": transition.attempt,
+            "lease_previous": transition.previous.value,
+            "lease_reason": transition.reason,
+        },
+    )
+    for listener in list(_transition_listeners):
+        try:
+            listener(transition)
+        except Exception:
+            logger.exception("celery-lease transition listener %r failed", listener)

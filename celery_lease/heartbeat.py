@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from .events import emit
-from .lease import Lease
+from .lease import Lease, block_signals_in_side_thread
 from .sanitize import describe_exception
 from .store import HeartbeatResult, LeaseStore
 
@@ -22,13 +23,25 @@ class Heartbeat:
 
     The thread starts on the first :meth:`register`. Each tick waits the
     shortest ``heartbeat_interval`` among the registered leases. A database
-    error is logged and retried; a lease whose last confirmed expiry passes
-    without renewal is marked lost, as is one the database refuses to renew.
+    error is logged and retried. What a tick learns is reported to each
+    :class:`Lease`, which decides: a confirmed renewal moves its deadline, a
+    refused one loses it (unless its completion is being committed), a failed
+    tick lets its local deadline decide. Safety does not depend on this
+    thread: a stuck tick only stops renewals, and each lease's deadline (acted
+    on by the watchdog) still passes.
+
+    Args:
+        store: the lease store.
+        interval: the longest wait between ticks.
+        clock: the monotonic clock renewals are timed with (the leases' clock).
     """
 
-    def __init__(self, store: LeaseStore, interval: float) -> None:
+    def __init__(
+        self, store: LeaseStore, interval: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store = store
         self.interval = interval
+        self._clock = clock
         self._leases: dict[tuple[str, str, int], Lease] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,11 +84,11 @@ class Heartbeat:
             thread.join(timeout)
 
     def beat_once(self) -> HeartbeatResult | None:
-        """Run one tick now: renew, then mark lost and cancelled leases. None on error."""
-        leases = [lease for lease in self.held() if not lease.lost]
+        """Run one tick now: renew, and report the outcome to each lease. None on error."""
+        leases = [lease for lease in self.held() if lease.renewable]
         if not leases:
             return None
-        sent_at = time.monotonic()
+        sent_at = self._clock()
         try:
             result = self.store.heartbeat(lease.key for lease in leases)
         except Exception as exc:
@@ -86,10 +99,12 @@ class Heartbeat:
                 describe_exception(exc),
                 extra={"lease_event": "heartbeat_error", "run_id": None},
             )
-            self._expire_unconfirmed(leases, time.monotonic())
+            now = self._clock()
+            for lease in leases:
+                lease.poll_deadline(now)
             return None
         self._failing = False
-        self.last_tick_seconds = time.monotonic() - sent_at
+        self.last_tick_seconds = self._clock() - sent_at
         emit(
             "heartbeat",
             None,
@@ -102,19 +117,10 @@ class Heartbeat:
         )
         for lease in leases:
             if lease.key in result.renewed:
-                lease.renewed(sent_at)
-                if lease.key in result.cancel_requested and lease.mark_cancel_requested():
-                    emit("cancel_seen", lease.run_id, "run %s: cancel requested", lease.run_id)
-            elif lease.completed_pending:
-                continue  # completed inside the body's own transaction
+                lease.renewed(sent_at, cancel_requested=lease.key in result.cancel_requested)
             else:
-                _lose(lease, "heartbeat refused: lease taken over, expired or ended")
+                lease.refused("heartbeat refused: lease taken over, expired or ended")
         return result
-
-    def _expire_unconfirmed(self, leases: list[Lease], now: float) -> None:
-        for lease in leases:
-            if lease.expired_locally(now):
-                _lose(lease, "last confirmed expiry passed without renewal (database unreachable)")
 
     def _wait_locked(self, exclude: Lease | None = None) -> float:
         intervals = [
@@ -133,6 +139,7 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        block_signals_in_side_thread()
         while not self._stop.is_set():
             with self._lock:
                 wait = self._wait_locked()
@@ -147,18 +154,3 @@ class Heartbeat:
                     "celery-lease heartbeat tick crashed",
                     extra={"lease_event": "heartbeat_error", "run_id": None},
                 )
-
-
-def _lose(lease: Lease, reason: str) -> None:
-    """Mark ``lease`` lost and log it, the first time only."""
-    if lease.mark_lost(reason):
-        emit(
-            "lost",
-            lease.run_id,
-            "run %s attempt %d: lease lost (%s)",
-            lease.run_id,
-            lease.attempt,
-            reason,
-            level=logging.WARNING,
-            attempt=lease.attempt,
-        )

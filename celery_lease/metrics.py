@@ -13,8 +13,9 @@ Exported (names as Prometheus shows them):
 - ``celery_lease_completed_total``: runs recorded ``succeeded``.
 - ``celery_lease_failures_total{outcome}``: failed attempts, ``outcome`` =
   ``retrying`` or ``failed`` (attempts spent).
-- ``celery_lease_lease_lost_total``: leases this process lost (counted once per
-  run attempt, whether the heartbeat or the guarded write saw it first).
+- ``celery_lease_lease_lost_total``: leases this process lost (once per run
+  attempt, whoever saw it first: the heartbeat, the local deadline, ``fence()``
+  or a refused guarded write).
 - ``celery_lease_sweep_recovered_total{action}``: runs the sweeper acted on:
   ``expired``/``stranded`` (re-enqueued), ``failed``, ``cancelled``, ``handoff``.
 - ``celery_lease_cancelled_total``: runs a worker ended ``cancelled`` after a
@@ -33,13 +34,19 @@ export with ``prometheus_client.multiprocess.MultiProcessCollector``, as the
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
-from .events import add_listener, remove_listener
+from .events import (
+    LeaseState,
+    Transition,
+    add_listener,
+    add_transition_listener,
+    remove_listener,
+    remove_transition_listener,
+)
 
 SETTING = "lease_metrics"
 
@@ -64,15 +71,16 @@ def _prometheus() -> Any:
 
 
 class LeaseMetrics:
-    """The metric objects, and the event listener that updates them.
+    """The metric objects, and the event listeners that update them.
+
+    Lease state changes (completed, lost, cancelled) are counted from the typed
+    :class:`~celery_lease.events.Transition` each lease publishes; the other
+    counters from the named events of :func:`celery_lease.events.emit`.
 
     Args:
         registry: the ``prometheus_client`` registry to register in (default:
             the global ``REGISTRY``).
     """
-
-    #: How many (run id, attempt) pairs are remembered to count each lease loss once.
-    LOST_MEMORY = 10_000
 
     def __init__(self, registry: Any = None) -> None:
         prom = _prometheus()
@@ -128,8 +136,6 @@ class LeaseMetrics:
             self.sweep_recovered.labels(action=action)
         for stage in ("claim", "fail"):
             self.db_errors.labels(stage=stage)
-        self._lost_seen: OrderedDict[tuple[Any, Any], None] = OrderedDict()
-        self._lost_lock = threading.Lock()
 
     def __call__(self, event: str, fields: dict[str, Any]) -> None:
         """The :func:`celery_lease.events.add_listener` hook."""
@@ -137,17 +143,10 @@ class LeaseMetrics:
             self.claims.inc()
         elif event == "busy":
             self.busy.inc()
-        elif event == "completed":
-            self.completed.inc()
         elif event in ("retrying", "failed"):
             self.failures.labels(outcome=event).inc()
-        elif event == "lost":
-            if self._first_loss(fields.get("run_id"), fields.get("attempt")):
-                self.lease_lost.inc()
         elif event == "swept":
             self.sweep_recovered.labels(action=str(fields.get("action") or "unknown")).inc()
-        elif event == "cancelled":
-            self.cancelled.inc()
         elif event == "duplicate_dropped":
             self.duplicates.inc()
         elif event in ("claim_error", "claim_failed", "fail_error"):
@@ -157,18 +156,15 @@ class LeaseMetrics:
             if isinstance(seconds, (int, float)):
                 self.heartbeat.observe(float(seconds))
 
-    def _first_loss(self, run_id: Any, attempt: Any) -> bool:
-        """True the first time a (run, attempt) loss is seen: heartbeat and write both report it."""
-        if run_id is None or attempt is None:
-            return True
-        key = (run_id, attempt)
-        with self._lost_lock:
-            if key in self._lost_seen:
-                return False
-            self._lost_seen[key] = None
-            while len(self._lost_seen) > self.LOST_MEMORY:
-                self._lost_seen.popitem(last=False)
-        return True
+    def on_transition(self, transition: Transition) -> None:
+        """The :func:`celery_lease.events.add_transition_listener` hook."""
+        state = transition.state
+        if state is LeaseState.LOST:
+            self.lease_lost.inc()  # a lease enters LOST once
+        elif state is LeaseState.COMPLETED:
+            self.completed.inc()
+        elif state is LeaseState.CANCELLED:
+            self.cancelled.inc()
 
 
 def enable(registry: Any = None) -> LeaseMetrics:
@@ -185,12 +181,14 @@ def enable(registry: Any = None) -> LeaseMetrics:
             metrics = LeaseMetrics(target)
             _enabled[id(target)] = metrics
         add_listener(metrics)
+        add_transition_listener(metrics.on_transition)
     return metrics
 
 
 def disable(metrics: LeaseMetrics) -> None:
     """Stop updating ``metrics`` (its series stay registered)."""
     remove_listener(metrics)
+    remove_transition_listener(metrics.on_transition)
 
 
 def enable_from_app(app: Celery) -> LeaseMetrics | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -255,22 +256,26 @@ class LeasedTask(Task):  # type: ignore[misc]
                 f"Can't retry {self.name}[{self.request.id}]: lease attempts spent "
                 f"({lease.attempt} of {self.lease_config().max_attempts})"
             )
-        return super().retry(
-            args,
-            kwargs,
-            exc=exc,
-            throw=throw,
-            eta=eta,
-            countdown=countdown,
-            max_retries=max_retries,
-            **options,
-        )
+        # Celery publishes the retry here: no interrupt may land inside kombu.
+        with lease.uninterruptible() if lease is not None else contextlib.nullcontext():
+            return super().retry(
+                args,
+                kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
 
     def on_replace(self, sig: Any) -> Any:
         """Publish the replacement, then end this run: the replacement owns the rest."""
-        if self.request.is_eager or _current.get() is None:
+        lease = _current.get()
+        if self.request.is_eager or lease is None:
             return super().on_replace(sig)
-        sig.delay()
+        with lease.uninterruptible():  # no interrupt inside kombu's publish
+            sig.delay()
         raise _Replaced("Replaced by new task")
 
     # -- the call ---------------------------------------------------------------
@@ -301,6 +306,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             self._reschedule(0.0, LeaseBusy(run_id, 0.0, "worker shutting down"))
         try:
             runtime = runtime_for(self.app, config)
+            started_at = time.monotonic()  # before the claim is sent: the lease's local deadline
             claim = runtime.store.claim(
                 run_id,
                 new_owner(self.request.hostname, worker_id(self.app)),
@@ -338,6 +344,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             claim.attempt,
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
+            started_at=started_at,
             interrupt=config.interrupt and not self.app.__dict__.get("_celery_lease_green_pool"),
         )
         return self._run_body(config, runtime, lease, args, kwargs)
@@ -365,7 +372,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 if self._completed_by_body(runtime, lease):
                     # fence(complete=True) committed: the run succeeded, whatever came after.
                     emit(
-                        "completed",
+                        "completed_then_raised",
                         lease.run_id,
                         "run %s: succeeded (recorded by the body; it raised afterwards)",
                         lease.run_id,
@@ -397,9 +404,6 @@ class LeasedTask(Task):  # type: ignore[misc]
             self._on_failure(config, runtime, lease, exc)
         else:
             self._complete(config, runtime, lease)
-            emit(
-                "completed", lease.run_id, "run %s: succeeded", lease.run_id, attempt=lease.attempt
-            )
             return result
         finally:
             runtime.heartbeat.unregister(lease)
@@ -413,7 +417,7 @@ class LeasedTask(Task):  # type: ignore[misc]
         delay = 0.05
         while True:
             try:
-                runtime.store.complete(lease.run_id, lease.owner, lease.attempt)
+                lease.complete()
                 return
             except LeaseLost as exc:
                 self._on_lost(config, lease, exc)
@@ -447,9 +451,9 @@ class LeasedTask(Task):  # type: ignore[misc]
     def _on_lost(self, config: LeaseConfig, lease: Lease, exc: LeaseLost) -> NoReturn:
         # The heartbeat logs the loss it detects; here only what this call
         # learned (e.g. the refused completion) and the policy applied.
-        first = lease.mark_lost(exc.reason)
+        lease.mark_lost(exc.reason)
         emit(
-            "lost" if first else "lost_handled",
+            "lost_handled",
             lease.run_id,
             "%s (policy %s)",
             exc,
@@ -672,10 +676,9 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def _on_cancelled(self, config: LeaseConfig, runtime: Runtime, lease: Lease) -> NoReturn:
         try:
-            runtime.store.mark_cancelled(lease.run_id, lease.owner, lease.attempt)
+            lease.mark_cancelled()
         except LeaseLost as exc:
             self._on_lost(config, lease, exc)
-        emit("cancelled", lease.run_id, "run %s: cancelled", lease.run_id, attempt=lease.attempt)
         self._mark_revoked(lease.run_id)
         raise Ignore()
 
@@ -707,7 +710,14 @@ class LeasedTask(Task):  # type: ignore[misc]
             # Whoever holds the run now owns its state; the retry already sent
             # claims it (or is dropped) like any other delivery.
             lease.mark_lost(lost.reason)
-            emit("lost", lease.run_id, "%s", lost, level=logging.WARNING, attempt=lease.attempt)
+            emit(
+                "lost_handled",
+                lease.run_id,
+                "%s",
+                lost,
+                level=logging.WARNING,
+                attempt=lease.attempt,
+            )
             raise Ignore() from lost
         except LeaseDatabaseError as db_exc:
             emit(

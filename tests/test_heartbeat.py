@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -13,7 +14,24 @@ from tests.helpers import wait_for
 DEAD_URL = "postgresql+psycopg://nobody@127.0.0.1:9/none?connect_timeout=1"
 
 
-def held(store: LeaseStore, run_id: str, seconds: float = 2.0, interval: float = 0.2) -> Lease:
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def held(
+    store: LeaseStore,
+    run_id: str,
+    seconds: float = 2.0,
+    interval: float = 0.2,
+    clock: Callable[[], float] = time.monotonic,
+) -> Lease:
+    started_at = clock()
     result = store.claim(
         run_id, f"owner-{run_id}", task_name="t", lease_ms=int(seconds * 1000), max_attempts=5
     )
@@ -25,6 +43,8 @@ def held(store: LeaseStore, run_id: str, seconds: float = 2.0, interval: float =
         result.attempt,
         lease_seconds=seconds,
         heartbeat_interval=interval,
+        started_at=started_at,
+        clock=clock,
     )
 
 
@@ -49,7 +69,7 @@ def test_thread_sees_a_stolen_lease_within_an_interval(store: LeaseStore) -> Non
     heartbeat = Heartbeat(store, interval=0.2)
     heartbeat.register(lease)
     try:
-        time.sleep(0.5)
+        wait_for(lambda: heartbeat.last_tick_seconds is not None, 3.0, what="a renewal")
         assert not lease.lost  # renewed, not lost
         store.expire("r1")
         store.claim("r1", "thief", task_name="t", lease_ms=5000, max_attempts=5)
@@ -75,13 +95,46 @@ def test_unreachable_database_is_retried_until_the_confirmed_expiry(sqlite_url: 
     """Errors are retried; only once the last confirmed expiry passes is the lease lost."""
     good = LeaseStore.from_url(sqlite_url)
     good.create_schema()
-    lease = held(good, "r1", seconds=1.5)
-    dead = Heartbeat(LeaseStore.from_url(DEAD_URL), interval=0.1)
+    clock = FakeClock()
+    lease = held(good, "r1", seconds=1.5, clock=clock)
+    dead = Heartbeat(LeaseStore.from_url(DEAD_URL), interval=0.1, clock=clock)
     dead.register(lease, start=False)
     assert dead.beat_once() is None
     assert not lease.lost  # a failed tick alone loses nothing
-    time.sleep(1.6)
+    clock.now += 1.5 - lease.margin - 0.01
+    assert dead.beat_once() is None
+    assert not lease.lost  # still before the local deadline
+    clock.now += 0.02
     assert dead.beat_once() is None
     assert lease.lost
-    with pytest.raises(LeaseLost, match="without renewal"):
+    with pytest.raises(LeaseLost, match="local deadline passed"):
         lease.check()
+
+
+def test_confirmed_renewal_moves_the_deadline_from_its_send_time(store: LeaseStore) -> None:
+    """A confirmed renewal moves the local deadline to its send time + lease - margin."""
+    clock = FakeClock()
+    lease = held(store, "r1", seconds=2.0, clock=clock)
+    assert lease.deadline == pytest.approx(1000.0 + 2.0 - lease.margin)
+    heartbeat = Heartbeat(store, interval=10, clock=clock)
+    heartbeat.register(lease, start=False)
+    clock.now += 1.0
+    assert heartbeat.beat_once() is not None
+    assert lease.deadline == pytest.approx(1001.0 + 2.0 - lease.margin)
+    clock.now += 2.0 - lease.margin  # exactly at the moved deadline
+    with pytest.raises(LeaseLost, match="local deadline passed"):
+        lease.check()
+
+
+def test_refused_renewal_while_completing_is_not_a_loss(store: LeaseStore) -> None:
+    """A renewal refused while fence(complete=True)'s transaction commits is success, not loss."""
+    lease = held(store, "r1")
+    heartbeat = Heartbeat(store, interval=10)
+    heartbeat.register(lease, start=False)
+    with store.engine.begin() as conn:
+        lease.fence(conn, complete=True)
+    result = heartbeat.beat_once()
+    assert result is not None and lease.key in result.lost
+    assert lease.state.value == "completed" and not lease.lost
+    lease.check()
+    assert heartbeat.beat_once() is None  # verified: no longer renewed

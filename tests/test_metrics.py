@@ -13,10 +13,10 @@ from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry
 
 import celery_lease.app
-from celery_lease import LeasedTask, LeaseLost, install, testing
+from celery_lease import Lease, LeasedTask, LeaseLost, install, testing
 from celery_lease import metrics as lease_metrics
 from celery_lease.app import store_for
-from celery_lease.events import _listeners, emit
+from celery_lease.events import LeaseState, Transition, _listeners, emit, publish
 from tests.helpers import REPO
 
 
@@ -44,13 +44,17 @@ def app(tmp_path: Path) -> Iterator[Celery]:
 
 
 def test_events_update_counters(registry: CollectorRegistry) -> None:
-    """Each emitted lease event moves its counter (or the heartbeat histogram)."""
+    """Each emitted lease event or lease transition moves its counter (or the histogram)."""
+    held, completing = LeaseState.HELD, LeaseState.COMPLETING
     emit("claimed", "r1", "x", attempt=1)
     emit("busy", "r1", "x", retry_in=1.0, policy="retry")
-    emit("completed", "r1", "x", attempt=1)
+    publish(Transition("r1", "A", 1, held, completing))
+    publish(Transition("r1", "A", 1, completing, LeaseState.COMPLETED))
     emit("retrying", "r2", "x", attempt=1)
     emit("failed", "r2", "x", attempt=2)
-    emit("cancelled", "r3", "x", attempt=1)
+    publish(Transition("r3", "A", 1, held, LeaseState.CANCEL_REQUESTED))
+    publish(Transition("r3", "A", 1, LeaseState.CANCEL_REQUESTED, LeaseState.CANCELLED))
+    emit("completed", "r4", "a string is not a transition", attempt=1)
     emit("duplicate_dropped", "r1", "x", status="succeeded")
     emit("claim_error", "r4", "x")
     emit("swept", "r5", "x", action="expired")
@@ -71,12 +75,39 @@ def test_events_update_counters(registry: CollectorRegistry) -> None:
     assert value(registry, "celery_lease_heartbeat_seconds_bucket", le="0.0025") == 0
 
 
-def test_lease_lost_counted_once_per_attempt(registry: CollectorRegistry) -> None:
-    """The heartbeat and the refused write both report a loss; it counts once per attempt."""
-    emit("lost", "r1", "heartbeat refused", attempt=1)
-    emit("lost", "r1", "complete refused", attempt=1, policy="retry")
-    emit("lost", "r1", "again, next attempt", attempt=2)
+def test_lease_lost_counted_once_per_attempt(app: Celery, registry: CollectorRegistry) -> None:
+    """The heartbeat and the refused write both report a loss; the lease enters LOST
+    once, so it counts once per attempt."""
+    store = store_for(app)
+    claim = testing.hold_lease(store, "r1", task_name="t", lease_seconds=30)
+    for attempt in (1, 2):
+        assert claim.attempt == attempt
+        lease = Lease(store, "r1", claim.owner, attempt, lease_seconds=30, heartbeat_interval=10)
+        claim = testing.steal_lease(store, "r1")
+        lease.refused("heartbeat refused")
+        with pytest.raises(LeaseLost):
+            lease.complete()
     assert value(registry, "celery_lease_lease_lost_total") == 2
+
+
+def test_loss_found_by_fence_is_counted(app: Celery, registry: CollectorRegistry) -> None:
+    """The README's main path: fence() refuses a stolen lease; that loss is counted
+    (before, fence marked it silently and the counter stayed 0)."""
+    store = store_for(app)
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="metrics.fenced", lease_lost_policy="abort"
+    )
+    def fenced(self: LeasedTask) -> str:
+        testing.steal_lease(store, self.lease.run_id)
+        with store.engine.begin() as conn:
+            self.lease.fence(conn, complete=True)
+        return "late"
+
+    with pytest.raises(LeaseLost, match="fence refused"):
+        fenced.delay()
+    assert value(registry, "celery_lease_lease_lost_total") == 1
+    assert value(registry, "celery_lease_completed_total") == 0
 
 
 def test_real_runs_are_counted(app: Celery, registry: CollectorRegistry) -> None:

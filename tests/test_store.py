@@ -68,7 +68,7 @@ def test_second_owner_refused_while_lease_live(store: LeaseStore) -> None:
 def test_takeover_after_expiry_increments_attempt(store: LeaseStore) -> None:
     """Once A's lease expires, B takes the run over with attempt 2."""
     claim(store, "r1", "A", lease_ms=200)
-    time.sleep(0.3)
+    assert store.expire("r1")
     result = claim(store, "r1", "B")
     assert (result.outcome, result.attempt) == ("claimed", 2)
     row = store.get("r1")
@@ -78,7 +78,7 @@ def test_takeover_after_expiry_increments_attempt(store: LeaseStore) -> None:
 def test_stale_owner_is_refused_everywhere(store: LeaseStore) -> None:
     """After a takeover, the old owner's heartbeat, complete, fail and fence are refused."""
     claim(store, "r1", "A", lease_ms=200)
-    time.sleep(0.3)
+    assert store.expire("r1")
     claim(store, "r1", "B")
     beat = store.heartbeat([("r1", "A", 1)])
     assert beat.lost == {("r1", "A", 1)} and not beat.renewed
@@ -100,7 +100,7 @@ def test_stale_owner_is_refused_everywhere(store: LeaseStore) -> None:
 def test_expired_but_not_taken_over_cannot_renew(store: LeaseStore) -> None:
     """A lease past its expiry is not renewed, even if nobody took it over."""
     claim(store, "r1", "A", lease_ms=100)
-    time.sleep(0.2)
+    assert store.expire("r1")
     assert store.heartbeat([("r1", "A", 1)]).lost == {("r1", "A", 1)}
 
 
@@ -149,7 +149,7 @@ def test_fail_retrying_then_claimable_after_backoff(store: LeaseStore) -> None:
 def test_attempts_exhausted_fails_without_running(store: LeaseStore) -> None:
     """A claimable run with no attempts left becomes failed instead of running."""
     claim(store, "r1", "A", lease_ms=100, max_attempts=1)
-    time.sleep(0.2)
+    assert store.expire("r1")
     result = claim(store, "r1", "B", max_attempts=1)
     assert (result.outcome, result.status) == ("finished", "failed")
     row = store.get("r1")
@@ -161,7 +161,7 @@ def test_fence_holds_the_row_inside_the_callers_transaction(store: LeaseStore) -
     claim(store, "r1", "A", lease_ms=300)
     with store.engine.begin() as conn:
         store.fence(conn, "r1", "A", 1)
-    time.sleep(0.4)
+    assert store.expire("r1")
     with pytest.raises(LeaseLost), store.engine.begin() as conn:
         store.fence(conn, "r1", "A", 1)
 
@@ -262,7 +262,7 @@ def test_sweep_leaves_renewed_and_taken_over_runs_alone(store: LeaseStore) -> No
     claim(store, "live", "A", lease_ms=60_000)
     claim(store, "dead", "A", lease_ms=100)
     claim(store, "raced", "A", lease_ms=100)
-    time.sleep(0.2)
+    assert store.expire("dead") and store.expire("raced")
     record = store.get("raced")
     assert record is not None
     claim(store, "raced", "B", lease_ms=60_000)  # a takeover between read and write
@@ -281,7 +281,7 @@ def test_two_concurrent_sweepers_never_take_the_same_run(pg_url: str) -> None:
     store.create_schema()
     for i in range(200):
         claim(store, f"x{i}", "A", lease_ms=50)
-    time.sleep(0.2)
+        assert store.expire(f"x{i}")
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     results = ctx.Queue()
@@ -306,7 +306,7 @@ def test_sweep_skips_a_row_locked_by_a_stalled_transaction(store: LeaseStore) ->
         pytest.skip("SQLite has one writer at a time: there are no row locks to skip")
     claim(store, "stuck", "A", lease_ms=100)
     claim(store, "free", "A", lease_ms=100)
-    time.sleep(0.2)
+    assert store.expire("stuck") and store.expire("free")
     with store.engine.connect() as stalled:
         stalled.begin()
         stalled.execute(select(runs.c.id).where(runs.c.id == "stuck").with_for_update())

@@ -27,6 +27,18 @@ if os.environ.get("CL_CLOCK_SKEW"):
     _skew = float(os.environ["CL_CLOCK_SKEW"])
     time.time = lambda: _real_time() + _skew
 
+if os.environ.get("CL_STALL_HEARTBEAT"):
+    # Test-only: every heartbeat statement blocks forever, like a read on a
+    # blackholed socket. Only the lease's local deadline can save the day.
+    import threading
+
+    from celery_lease.store import LeaseStore
+
+    def _stalled_heartbeat(self: LeaseStore, leases: Any) -> Any:
+        threading.Event().wait()
+
+    LeaseStore.heartbeat = _stalled_heartbeat  # type: ignore[method-assign,assignment]
+
 app = Celery("workerapp")
 app.conf.update(
     broker_url=os.environ.get("CL_BROKER_URL", "memory://"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -85,34 +86,68 @@ def test_kill9_random_workers_during_300_runs(
 
 
 @ON_PG
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_sigstop_stale_worker_commits_nothing(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """SIGSTOP a worker past its lease, let another take over, SIGCONT: the stale
-    worker commits nothing."""
-    w1 = cluster.start("w1", conf=CONF, **TIMING)
-    run_ids = [cluster.send("workerapp.effect", 3.0) for _ in range(2)]
-    wait_for(lambda: all(cluster.effects(r, "start") for r in run_ids), 30, what="w1 to start both")
-    w1.pause()
-    try:
-        time.sleep(3.0)  # well past the 2 s lease
-        cluster.start("w2", conf=CONF, **TIMING)
-        cluster.start_beat(SWEEP)
-        wait_for(
-            lambda: all(len(cluster.effects(r, "start")) >= 2 for r in run_ids),
-            40,
-            what="w2 to take both runs over",
-        )
-    finally:
-        w1.resume()
-    wait_for(lambda: all_terminal(cluster, run_ids), 60, what="both runs")
-    time.sleep(3.0)  # give the resumed worker time to try (and fail) to commit
+    """Rounds of 20 runs: a worker holds the batch mid-body, is SIGSTOPped past the
+    lease while another worker takes every run over, then SIGCONT: the stale worker
+    commits nothing (its check() and fence() refuse at once). At least 100 runs are
+    paused past their lease and taken over."""
+    timing = {**TIMING, "CL_LEASE_SECONDS": "1.5", "CL_HEARTBEAT": "0.3"}
+    batch, wanted = 20, 100
+    victim = cluster.start("victim", conf=CONF, pool="threads", concurrency=batch, **timing)
+    rescuer = cluster.start("rescuer", conf=CONF, pool="threads", concurrency=batch, **timing)
+    cluster.start_beat(SWEEP)
+    run_ids: list[str] = []
+    paused: dict[str, int] = {}  # run -> the attempt the paused victim held
+    for round_no in range(2 * wanted // batch):
+        if len(paused) >= wanted:
+            break
+        # Only the victim takes this batch (a paused worker's pending BRPOP may
+        # still catch a message or two: those runs start after the rescuer resumes).
+        rescuer.pause()
+        try:
+            batch_ids = [cluster.send("workerapp.effect", 2.0) for _ in range(batch)]
+            run_ids += batch_ids
+            wait_for(
+                lambda ids=batch_ids: len(_started(cluster, ids)) >= len(ids) - 3,
+                30,
+                what=f"round {round_no}: the victim to start its batch",
+            )
+            victim.pause()
+            held = _started(cluster, batch_ids)  # all the victim's: the rescuer is paused
+        finally:
+            rescuer.resume()
+        try:
+            wait_for(
+                lambda held=held: all(
+                    _started(cluster, [r]).get(r, 0) > a for r, a in held.items()
+                ),
+                40,
+                what=f"round {round_no}: every held run taken over while the victim is paused",
+            )
+        finally:
+            victim.resume()
+        paused.update(held)
+        wait_for(lambda ids=batch_ids: all_terminal(cluster, ids), 40, what=f"round {round_no}")
+    time.sleep(1.0)  # the last resumed bodies try (and fail) to commit
     history = check(cluster, run_ids)
-    stale = [e for r in run_ids for e in cluster.effects(r, "commit") if e.attempt == 1]
+    stale = [e for r, a in paused.items() for e in cluster.effects(r, "commit") if e.attempt <= a]
     assert stale == []
-    assert "automation_run_lease_lost" in w1.log()
-    report(capsys, "sigstop", history)
+    assert len(paused) >= wanted
+    assert "automation_run_lease_lost" in victim.log()
+    report(capsys, f"sigstop x{len(paused)}", history)
+
+
+def _started(cluster: Cluster, run_ids: list[str]) -> dict[str, int]:
+    """The highest started attempt of each run that started one."""
+    latest: dict[str, int] = {}
+    for run_id in run_ids:
+        attempts = [e.attempt for e in cluster.effects(run_id, "start")]
+        if attempts:
+            latest[run_id] = max(attempts)
+    return latest
 
 
 @ON_PG
@@ -150,20 +185,50 @@ def test_postgres_restart_mid_batch(
 
 
 @ON_PG_AND_PGBOUNCER
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_duplicate_storm(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
-    """The same task id published 50 times while it runs: one effect."""
-    cluster.start("w1", conf=CONF, **TIMING)
-    cluster.start("w2", conf=CONF, **TIMING)
-    run_id = cluster.send("workerapp.effect", 4.0)
-    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the run to start")
-    for _ in range(50):
-        cluster.send("workerapp.effect", 4.0, task_id=run_id)
-    wait_for(lambda: all_terminal(cluster, [run_id]), 60, what="the run")
-    time.sleep(5.0)  # let the duplicates drain against the finished run
-    history = check(cluster, [run_id])
-    assert len(cluster.effects(run_id, "start")) == 1
-    report(capsys, "duplicate-storm x50", history)
+    """20 runs, each task id published 50 more times while it runs (1,000 duplicates):
+    one body per attempt, one committed effect per run, every duplicate drained."""
+    runs, copies = 20, 50
+    workers = [
+        cluster.start(f"w{i}", conf=CONF, pool="threads", concurrency=runs, **TIMING)
+        for i in range(2)
+    ]
+    run_ids = [cluster.send("workerapp.effect", 4.0) for _ in range(runs)]
+    wait_for(
+        lambda: all(cluster.effects(r, "start") for r in run_ids), 30, what="the runs to start"
+    )
+    for _ in range(copies):
+        for run_id in run_ids:
+            cluster.send("workerapp.effect", 4.0, task_id=run_id)
+    wait_for(lambda: all_terminal(cluster, run_ids), 90, what="the runs")
+    deliveries = wait_for(
+        lambda: _drained(workers), 120, interval=1.0, what="the duplicates to drain"
+    )
+    assert deliveries >= runs * (copies + 1)
+    history = check(cluster, run_ids)
+    for run_id in run_ids:
+        attempts = [e.attempt for e in cluster.effects(run_id, "start")]
+        assert len(attempts) == len(set(attempts)), f"{run_id}: a body ran twice: {attempts}"
+    report(capsys, f"duplicate-storm {runs}x{copies}", history)
+
+
+_TASK_LINE = re.compile(r"Task workerapp\.effect\[[0-9a-f]+\] (\w+)")
+_last_drain: dict[int, tuple[int, int]] = {}
+
+
+def _drained(workers: list[Worker]) -> int:
+    """Deliveries received, once every one has ended and none arrived for a poll; else 0."""
+    received = ended = 0
+    for worker in workers:
+        for outcome in _TASK_LINE.findall(worker.log()):
+            if outcome == "received":
+                received += 1
+            else:
+                ended += 1
+    key = id(workers)
+    previous, _last_drain[key] = _last_drain.get(key), (received, ended)
+    return received if received == ended and previous == (received, ended) else 0
 
 
 @ON_PG
@@ -197,6 +262,7 @@ def test_worker_clock_skew(cluster: Cluster, capsys: pytest.CaptureFixture[str])
     report(capsys, "clock-skew +-300s", history)
 
 
+@ON_PG
 @pytest.mark.timeout(420)
 def test_kill9_during_100_chains_of_3_leased_steps(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]

@@ -1,0 +1,429 @@
+"""``Lease``: the local deadline, the one owner of lease state, and interrupt safety."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import celery_lease.lease as lease_module
+from celery_lease import Lease, LeaseLost, LeaseStore, testing
+from celery_lease.events import (
+    LeaseState,
+    Transition,
+    add_transition_listener,
+    remove_transition_listener,
+)
+from celery_lease.heartbeat import Heartbeat
+from celery_lease.lease import LeaseInterrupt, Watchdog, safety_margin
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import wait_for
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def held(
+    store: LeaseStore,
+    run_id: str,
+    seconds: float = 2.0,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    **kwargs: Any,
+) -> Lease:
+    started_at = clock()
+    result = store.claim(
+        run_id, f"owner-{run_id}", task_name="t", lease_ms=int(seconds * 1000), max_attempts=5
+    )
+    assert result.outcome == "claimed"
+    kwargs.setdefault("heartbeat_interval", seconds / 4)
+    return Lease(
+        store,
+        run_id,
+        result.owner,
+        result.attempt,
+        lease_seconds=seconds,
+        started_at=started_at,
+        clock=clock,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def transitions() -> Iterator[list[Transition]]:
+    """Every lease transition published during the test."""
+    seen: list[Transition] = []
+    add_transition_listener(seen.append)
+    yield seen
+    remove_transition_listener(seen.append)
+
+
+@pytest.fixture
+def sqlite_store(sqlite_url: str) -> Iterator[LeaseStore]:
+    store = LeaseStore.from_url(sqlite_url)
+    store.create_schema()
+    yield store
+    store.dispose()
+
+
+# -- the local deadline ------------------------------------------------------------
+
+
+def test_margin_is_a_tenth_of_the_lease_plus_clock_slack() -> None:
+    """The safety margin is 10 % of the lease plus 0.1 % for clock rates."""
+    assert safety_margin(30.0) == pytest.approx(3.03)
+    assert safety_margin(2.0) == pytest.approx(0.202)
+
+
+def test_deadline_starts_before_the_claim_was_sent(sqlite_store: LeaseStore) -> None:
+    """The first deadline counts from started_at (taken before the claim), not from now."""
+    clock = FakeClock()
+    lease = held(sqlite_store, "r1", 2.0, clock=clock)
+    clock.now += 5.0  # constructed long after the claim was sent
+    late = Lease(
+        sqlite_store,
+        "r1",
+        lease.owner,
+        1,
+        lease_seconds=2.0,
+        heartbeat_interval=0.5,
+        started_at=1000.0,
+        clock=clock,
+    )
+    assert late.deadline == pytest.approx(1000.0 + 2.0 - safety_margin(2.0))
+    with pytest.raises(LeaseLost):
+        late.check()
+
+
+def test_check_raises_past_the_deadline_whatever_the_heartbeat(
+    store: LeaseStore, transitions: list[Transition]
+) -> None:
+    """No heartbeat ever runs: check() passes before the deadline and raises after it,
+    and fence() is refused without touching the row."""
+    clock = FakeClock()
+    lease = held(store, "r1", 2.0, clock=clock)
+    clock.now += 2.0 - lease.margin - 0.001
+    lease.check()
+    clock.now += 0.002
+    with pytest.raises(LeaseLost, match="local deadline passed"):
+        lease.check()
+    with pytest.raises(LeaseLost), store.engine.begin() as conn:
+        lease.fence(conn)
+    assert [t.state for t in transitions] == [LeaseState.LOST]
+    row = store.get("r1")
+    assert row is not None and row.status == "running"  # the database still says held
+
+
+def test_watchdog_poll_loses_a_lease_past_its_deadline(sqlite_store: LeaseStore) -> None:
+    """The watchdog's pass (no I/O) marks a watched lease lost at its deadline."""
+    clock = FakeClock()
+    lease = held(sqlite_store, "r1", 2.0, clock=clock)
+    dog = Watchdog(clock=clock)
+    dog._leases.add(lease)  # watched, without starting the thread
+    assert dog.poll() == pytest.approx(lease.deadline)
+    clock.now = lease.deadline
+    assert dog.poll() is None
+    assert lease.lost
+
+
+@pytest.mark.timeout(30)
+def test_interrupt_fires_at_the_deadline_with_the_heartbeat_stuck(
+    sqlite_store: LeaseStore,
+) -> None:
+    """A body that never checks is interrupted at the local deadline by the watchdog,
+    while the heartbeat thread is blocked (here: it never ticks at all)."""
+    lease = held(sqlite_store, "r1", 0.6, interrupt=True, watchdog=Watchdog())
+    started = time.monotonic()
+
+    def spin() -> None:
+        while time.monotonic() - started < 10:
+            pass
+
+    with pytest.raises(LeaseInterrupt):
+        lease.run_interruptible(spin)
+    elapsed = time.monotonic() - started
+    assert 0.6 - lease.margin - 0.05 < elapsed < 0.6 + 1.0
+    assert lease.lost
+
+
+# -- one owner for lease state -------------------------------------------------------
+
+
+def test_rollback_of_fenced_completion_then_takeover_is_detected(
+    store: LeaseStore, transitions: list[Transition]
+) -> None:
+    """fence(complete=True) rolled back returns the lease to held; a later takeover is
+    then seen by the heartbeat (before: the lease stayed 'completed pending' forever)."""
+    lease = held(store, "r1", 5.0)
+    heartbeat = Heartbeat(store, interval=10)
+    heartbeat.register(lease, start=False)
+    with pytest.raises(RuntimeError), store.engine.begin() as conn:
+        lease.fence(conn, complete=True)
+        assert lease.state is LeaseState.COMPLETING
+        raise RuntimeError("roll back")
+    assert lease.state is LeaseState.HELD and not lease.completed_pending
+    testing.steal_lease(store, "r1")
+    heartbeat.beat_once()
+    with pytest.raises(LeaseLost, match="heartbeat refused"):
+        lease.check()
+    assert [(t.previous, t.state) for t in transitions] == [
+        (LeaseState.HELD, LeaseState.COMPLETING),
+        (LeaseState.COMPLETING, LeaseState.HELD),
+        (LeaseState.HELD, LeaseState.LOST),
+    ]
+
+
+def test_savepoint_rollback_around_the_fence_returns_to_held(sqlite_store: LeaseStore) -> None:
+    """Rolling back a savepoint opened before the fence undoes the completion; one
+    opened after it does not."""
+    store = sqlite_store
+    first = held(store, "r1", 5.0)
+    with store.engine.begin() as conn:
+        savepoint = conn.begin_nested()
+        first.fence(conn, complete=True)
+        savepoint.rollback()
+        assert first.state is LeaseState.HELD
+    second = held(store, "r2", 5.0)
+    with store.engine.begin() as conn:
+        second.fence(conn, complete=True)
+        inner = conn.begin_nested()
+        inner.rollback()
+        assert second.state is LeaseState.COMPLETING
+    assert second.state is LeaseState.COMPLETED
+    row = store.get("r2")
+    assert row is not None and row.status == "succeeded"
+
+
+def test_complete_and_cancel_are_lease_transitions(
+    store: LeaseStore, transitions: list[Transition]
+) -> None:
+    """complete() and mark_cancelled() publish one transition per change; a repeated
+    complete() after a fenced commit publishes nothing more."""
+    done = held(store, "done")
+    with store.engine.begin() as conn:
+        done.fence(conn, complete=True)
+    done.complete()
+    done.complete()
+    cancelled = held(store, "cancelled")
+    store.cancel("cancelled")
+    cancelled.renewed(time.monotonic(), cancel_requested=True)
+    cancelled.mark_cancelled()
+    assert [(t.run_id, t.state) for t in transitions] == [
+        ("done", LeaseState.COMPLETING),
+        ("done", LeaseState.COMPLETED),
+        ("cancelled", LeaseState.CANCEL_REQUESTED),
+        ("cancelled", LeaseState.CANCELLED),
+    ]
+
+
+def test_fence_refusal_is_a_published_loss(
+    store: LeaseStore, transitions: list[Transition]
+) -> None:
+    """A loss found by fence() is a transition like any other (so it is counted)."""
+    lease = held(store, "r1")
+    testing.steal_lease(store, "r1")
+    with pytest.raises(LeaseLost), store.engine.begin() as conn:
+        lease.fence(conn, complete=True)
+    assert [t.state for t in transitions] == [LeaseState.LOST]
+    assert not lease.mark_lost("again")  # the first reason wins, once
+
+
+def test_renewal_after_a_fenced_commit_means_it_did_not_land(sqlite_store: LeaseStore) -> None:
+    """A renewal confirmed although it was sent after the fenced completion proves that
+    commit failed: the lease is held again, not blind."""
+    lease = held(sqlite_store, "r1", 5.0)
+    with sqlite_store.engine.begin() as conn:
+        lease.fence(conn, complete=True)
+    assert lease.state is LeaseState.COMPLETED
+    lease.renewed(time.monotonic())
+    assert lease.state is LeaseState.HELD
+
+
+# -- interrupt safety ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_uninterruptible_defers_the_interrupt_until_the_block_ends(
+    sqlite_store: LeaseStore,
+) -> None:
+    """A loss seen while the body is inside uninterruptible() interrupts it right after."""
+    lease = held(sqlite_store, "r1", 30.0, interrupt=True, watchdog=Watchdog())
+    marks: list[str] = []
+
+    def body() -> None:
+        with lease.uninterruptible():
+            threading.Thread(target=lease.mark_lost, args=("test",)).start()
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                pass
+            marks.append("block done")
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            pass
+        marks.append("not interrupted")
+
+    with pytest.raises(LeaseInterrupt):
+        lease.run_interruptible(body)
+    assert marks == ["block done"]
+
+
+def test_async_exc_count_is_checked(
+    sqlite_store: LeaseStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SetAsyncExc reaching several threads is reverted and logged; reaching none disarms."""
+    calls: list[tuple[int, object]] = []
+    answers = [2, 1]
+
+    def fake(thread_id: int, exc: object) -> int:
+        calls.append((thread_id, exc))
+        return answers.pop(0) if exc is not None else 1
+
+    monkeypatch.setattr(lease_module, "_set_async_exc", fake)
+    lease = held(sqlite_store, "r1", 30.0, interrupt=True)
+    lease._thread_id = 12345  # as if a body ran in that thread
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+        lease.mark_lost("test")
+    assert calls == [(12345, LeaseInterrupt), (12345, None)]
+    assert "reached 2 threads" in caplog.text
+    gone = held(sqlite_store, "r2", 30.0, interrupt=True)
+    gone._thread_id = 54321
+    answers[:] = [0]
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+        gone.mark_lost("test")
+    assert gone._thread_id is None and "thread is gone" in caplog.text
+
+
+def test_interrupt_is_off_with_a_warning_outside_cpython(
+    sqlite_store: LeaseStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On an interpreter without SetAsyncExc, lease_interrupt is turned off with a warning."""
+    monkeypatch.setattr(lease_module, "ASYNC_INTERRUPT_SUPPORTED", False)
+    monkeypatch.setattr(lease_module, "_warned_no_interrupt", False)
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+        lease = held(sqlite_store, "r1", 30.0, interrupt=True)
+    assert lease.interrupt is False
+    assert "needs CPython" in caplog.text
+
+
+@pytest.mark.timeout(30)
+def test_rollback_then_takeover_interrupts_the_body(sqlite_store: LeaseStore) -> None:
+    """After a fenced completion rolls back, a takeover seen by the heartbeat interrupts
+    the body (once the rollback had its quiet period)."""
+    store = sqlite_store
+    lease = held(store, "r1", 30.0, heartbeat_interval=0.1, interrupt=True, watchdog=Watchdog())
+    heartbeat = Heartbeat(store, interval=0.1)
+    heartbeat.register(lease, start=False)
+    ready = threading.Event()
+
+    def body() -> None:
+        with pytest.raises(RuntimeError), store.engine.begin() as conn:
+            lease.fence(conn, complete=True)
+            raise RuntimeError("roll back")
+        ready.set()
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            pass
+
+    def thief() -> None:
+        ready.wait(5)
+        testing.steal_lease(store, "r1")
+        heartbeat.beat_once()
+
+    threading.Thread(target=thief).start()
+    started = time.monotonic()
+    with pytest.raises(LeaseInterrupt):
+        lease.run_interruptible(body)
+    assert time.monotonic() - started < 5
+    assert lease.lost
+
+
+# -- a real worker whose heartbeat is stuck -------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+def test_stalled_heartbeat_worker_gives_up_before_a_takeover(cluster: Cluster) -> None:
+    """A worker whose heartbeat statement never returns: its check() raises at the local
+    deadline, before a second claimer can take attempt 2 (before: check() kept passing),
+    and a body that never checks is interrupted."""
+    w1 = cluster.start("w1", CL_LEASE_SECONDS="3", CL_HEARTBEAT="0.5", CL_STALL_HEARTBEAT="1")
+    watched = cluster.send("workerapp.watch", 20.0)
+    spun = cluster.send("workerapp.spin", 20.0)
+    wait_for(
+        lambda: cluster.effects(watched, "start") and cluster.effects(spun, "start"),
+        30,
+        what="both bodies to start",
+    )
+    taken: dict[str, float] = {}
+
+    def take_over() -> bool:
+        for run_id in (watched, spun):
+            if run_id not in taken:
+                claim = cluster.store.claim(
+                    run_id, f"thief-{run_id}", task_name="t", lease_ms=30_000, max_attempts=5
+                )
+                if claim.outcome == "claimed":
+                    # 2, or 3 when the stale worker's own re-published delivery won it
+                    assert claim.attempt >= 2
+                    taken[run_id] = time.time()
+        return len(taken) == 2
+
+    wait_for(take_over, 30, interval=0.02, what="the leases to expire by the database clock")
+    saw = wait_for(
+        lambda: [e for e in cluster.effects(watched, "saw_lost") if e.attempt == 1],
+        10,
+        what="check() to raise",
+    )
+    assert saw[0].at < taken[watched], "the stale worker must stop before the takeover"
+    wait_for(
+        lambda: f"automation_run_lease_lost: run {spun} attempt 1" in w1.log(),
+        10,
+        what="the interrupt of the body that never checks",
+    )
+    assert cluster.effects(spun, "body_end") == []
+    assert "local deadline passed" in w1.log()
+
+
+def _blocked_signals(native_id: int) -> int:
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    return int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_side_threads_never_take_a_process_signal(sqlite_store: LeaseStore) -> None:
+    """The watchdog and heartbeat threads block SIGTERM: a pool child killed while it
+    reports its exit (SIGTERM masked in its main thread) must not die in a side thread
+    holding the pool's pipe lock (it froze the whole prefork pool)."""
+    lease = held(sqlite_store, "r1", 30.0)
+    dog = Watchdog()
+    dog.watch(lease)
+    heartbeat = Heartbeat(sqlite_store, interval=0.1)
+    heartbeat.register(lease)
+    try:
+        for thread in (dog._thread, heartbeat._thread):
+            assert thread is not None and thread.native_id is not None
+            mask = wait_for(lambda t=thread: _blocked_signals(t.native_id), 5, what="the mask")
+            assert mask & (1 << (signal.SIGTERM - 1))
+        assert not _blocked_signals(threading.main_thread().native_id or 0) & (
+            1 << (signal.SIGTERM - 1)
+        )
+    finally:
+        heartbeat.stop()
+        dog.unwatch(lease)
