@@ -251,3 +251,46 @@ def require(value: Any, what: str) -> Any:
     if env_flag("CI"):
         pytest.fail(f"{what} is required when CI=true")
     pytest.skip(f"{what} not available")
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def held(
+    store: Any,
+    run_id: str,
+    seconds: float = 2.0,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    **kwargs: Any,
+) -> Any:
+    """Claim ``run_id`` as ``owner-<run_id>`` and return its :class:`~celery_lease.Lease`.
+
+    The lease's clock starts before the claim, as in a worker; ``kwargs`` go to
+    ``Lease`` (``heartbeat_interval`` defaults to a quarter of the lease).
+    """
+    from celery_lease import Lease
+
+    started_at = clock()
+    result = store.claim(
+        run_id, f"owner-{run_id}", task_name="t", lease_ms=int(seconds * 1000), max_attempts=5
+    )
+    assert result.outcome == "claimed"
+    kwargs.setdefault("heartbeat_interval", seconds / 4)
+    return Lease(
+        store,
+        run_id,
+        result.owner,
+        result.attempt,
+        lease_seconds=seconds,
+        started_at=started_at,
+        clock=clock,
+        **kwargs,
+    )

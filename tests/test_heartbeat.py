@@ -9,19 +9,10 @@ import pytest
 
 from celery_lease import Lease, LeaseLost, LeaseStore, RunCancelled
 from celery_lease.heartbeat import Heartbeat
-from tests.helpers import wait_for
+from tests import helpers
+from tests.helpers import FakeClock, wait_for
 
 DEAD_URL = "postgresql+psycopg://nobody@127.0.0.1:9/none?connect_timeout=1"
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def held(
@@ -31,21 +22,9 @@ def held(
     interval: float = 0.2,
     clock: Callable[[], float] = time.monotonic,
 ) -> Lease:
-    started_at = clock()
-    result = store.claim(
-        run_id, f"owner-{run_id}", task_name="t", lease_ms=int(seconds * 1000), max_attempts=5
-    )
-    assert result.outcome == "claimed"
-    return Lease(
-        store,
-        run_id,
-        result.owner,
-        result.attempt,
-        lease_seconds=seconds,
-        heartbeat_interval=interval,
-        started_at=started_at,
-        clock=clock,
-    )
+    """A held lease renewed every ``interval`` seconds (see ``tests.helpers.held``)."""
+    lease: Lease = helpers.held(store, run_id, seconds, clock=clock, heartbeat_interval=interval)
+    return lease
 
 
 def test_beat_once_renews_and_reports_loss(store: LeaseStore) -> None:

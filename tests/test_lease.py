@@ -6,9 +6,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,43 +22,7 @@ from celery_lease.events import (
 from celery_lease.heartbeat import Heartbeat
 from celery_lease.lease import LeaseInterrupt, Watchdog, safety_margin
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
-from tests.helpers import wait_for
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def held(
-    store: LeaseStore,
-    run_id: str,
-    seconds: float = 2.0,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    **kwargs: Any,
-) -> Lease:
-    started_at = clock()
-    result = store.claim(
-        run_id, f"owner-{run_id}", task_name="t", lease_ms=int(seconds * 1000), max_attempts=5
-    )
-    assert result.outcome == "claimed"
-    kwargs.setdefault("heartbeat_interval", seconds / 4)
-    return Lease(
-        store,
-        run_id,
-        result.owner,
-        result.attempt,
-        lease_seconds=seconds,
-        started_at=started_at,
-        clock=clock,
-        **kwargs,
-    )
+from tests.helpers import FakeClock, held, wait_for
 
 
 @pytest.fixture

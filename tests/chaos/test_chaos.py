@@ -40,6 +40,22 @@ CONF = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 2.0, "lease_max_a
 SWEEP = {"lease_sweep_interval": 1.0, **CONF}
 
 
+def kill_randomly(
+    cluster: Cluster, workers: list[Worker], rng: random.Random, seconds: float = 20.0
+) -> int:
+    """For ``seconds``, kill -9 a random worker every 2-4 s and start a fresh one in its
+    place; returns how many were killed."""
+    kills = 0
+    stop_killing = time.monotonic() + seconds
+    while time.monotonic() < stop_killing:
+        time.sleep(rng.uniform(2.0, 4.0))
+        victim = rng.randrange(len(workers))
+        workers[victim].kill9()
+        kills += 1
+        workers[victim] = cluster.start(f"w{victim}-r{kills}", conf=CONF, **TIMING)
+    return kills
+
+
 def report(capsys: pytest.CaptureFixture[str], name: str, history: History) -> None:
     """Print the scenario's summary line past pytest's capture, then assert it."""
     with capsys.disabled():
@@ -71,14 +87,7 @@ def test_kill9_random_workers_during_300_runs(
     workers = [cluster.start(f"w{i}", conf=CONF, **TIMING) for i in range(3)]
     cluster.start_beat(SWEEP)
     run_ids = [cluster.send("workerapp.effect", rng.uniform(0.2, 0.5)) for _ in range(300)]
-    kills = 0
-    stop_killing = time.monotonic() + 20
-    while time.monotonic() < stop_killing:
-        time.sleep(rng.uniform(2.0, 4.0))
-        victim = rng.randrange(len(workers))
-        workers[victim].kill9()
-        kills += 1
-        workers[victim] = cluster.start(f"w{victim}-r{kills}", conf=CONF, **TIMING)
+    kills = kill_randomly(cluster, workers, rng)
     wait_for(lambda: all_terminal(cluster, run_ids), 240, interval=1.0, what="all 300 runs")
     history = check(cluster, run_ids)
     assert kills >= 5
@@ -282,14 +291,7 @@ def test_kill9_during_100_chains_of_3_leased_steps(
     results = [
         chain(step(i, rng.uniform(0.1, 0.3)), step(), step()).apply_async() for i in range(100)
     ]
-    kills = 0
-    stop_killing = time.monotonic() + 20
-    while time.monotonic() < stop_killing:
-        time.sleep(rng.uniform(2.0, 4.0))
-        victim = rng.randrange(len(workers))
-        workers[victim].kill9()
-        kills += 1
-        workers[victim] = cluster.start(f"w{victim}-r{kills}", conf=CONF, **TIMING)
+    kills = kill_randomly(cluster, workers, rng)
     step_ids = [r.id for res in results for r in (res, res.parent, res.parent.parent)]
     wait_for(lambda: all_terminal(cluster, step_ids), 300, interval=1.0, what="all 300 steps")
     unresolved = []
