@@ -188,7 +188,7 @@ def test_two_migrate_runs_at_once_leave_one_schema(db_url: str, tmp_path: Path) 
 
 @pytest.mark.timeout(90)
 def test_two_migrate_runs_at_once_through_pgbouncer(pgbouncer_url: str, tmp_path: Path) -> None:
-    """The PostgreSQL lock is transaction-scoped, so it holds behind PgBouncer in transaction mode."""
+    """The PostgreSQL lock is transaction-scoped: it works behind PgBouncer in transaction mode."""
     results = _race_migrate(pgbouncer_url, tmp_path)
     assert [code for code, _ in results] == [0, 0], results
     assert sum("migrated (empty) -> " in out for _, out in results) == 1, results
