@@ -417,3 +417,45 @@ def test_fence_on_a_second_connection_is_not_atomic_with_django(
     row = lease_store.get("r1")
     assert row is not None
     assert row.status == ("running" if sqlite else "succeeded")
+
+
+def test_fenced_atomic_without_complete_leaves_the_completion_to_the_task(
+    alias: str, lease_store: LeaseStore
+) -> None:
+    """complete=False: the row commits under the fence; the run is completed afterwards."""
+    from tests.django_site.orders.models import Order
+
+    lease = held(lease_store, "r1", 10.0)
+    with fenced_atomic(lease, using=alias, complete=False):
+        Order.objects.using(alias).create(number="n1", attempt=lease.attempt)
+    assert _orders(alias) == [("n1", 1)]
+    row = lease_store.get("r1")
+    assert row is not None and row.status == "running"
+    assert lease.state is LeaseState.HELD
+    lease.complete()
+    row = lease_store.get("r1")
+    assert row is not None and row.status == "succeeded"
+
+
+def test_fenced_atomic_wraps_each_django_connection_once(
+    alias: str, lease_store: LeaseStore
+) -> None:
+    """Blocks on one Django connection share one wrapper (SQLAlchemy's connect-time work
+    runs once); after Django reconnects, the next block wraps the new connection."""
+    from django.db import connections
+
+    from tests.django_site.orders.models import Order
+
+    django_connection = connections[alias]
+    engines = []
+    for number, run_id in (("n1", "r1"), ("n2", "r2"), ("n3", "r3")):
+        if number == "n3":
+            django_connection.close()
+        lease = held(lease_store, run_id, 10.0)
+        with fenced_atomic(lease, using=alias):
+            Order.objects.using(alias).create(number=number, attempt=lease.attempt)
+        engines.append(django_connection._celery_lease_engine[1])
+        row = lease_store.get(run_id)
+        assert row is not None and row.status == "succeeded"
+    assert engines[0] is engines[1] and engines[2] is not engines[0]
+    assert len(_orders(alias)) == 3

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from celery.exceptions import ImproperlyConfigured
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
@@ -47,6 +47,10 @@ _DRIVERS = {
     "MySQLdb": "mysql+mysqldb",
     "pymysql": "mysql+pymysql",
 }
+
+
+#: Where :func:`fenced_atomic` keeps its engine on Django's connection wrapper.
+_ENGINE_ATTR = "_celery_lease_engine"
 
 
 def lease_database_url(database: Mapping[str, Any]) -> str:
@@ -143,9 +147,17 @@ def fenced_atomic(
 
 
 def _wrap(django_connection: Any) -> Connection:
-    """A SQLAlchemy ``Connection`` on the DBAPI connection Django holds, never closing it."""
+    """A SQLAlchemy ``Connection`` on the DBAPI connection Django holds, never closing it.
+
+    The engine is kept on Django's connection wrapper while that DBAPI
+    connection lives, so SQLAlchemy's first-connect work (server inspection,
+    a notice handler on psycopg) happens once per connection, not per block.
+    """
     django_connection.ensure_connection()
     dbapi = django_connection.connection
+    cached: tuple[Any, Engine] | None = getattr(django_connection, _ENGINE_ATTR, None)
+    if cached is not None and cached[0] is dbapi:
+        return cached[1].connect()
     driver = _DRIVERS.get(type(dbapi).__module__.split(".")[0])
     if driver is None:
         raise LeaseError(f"fenced_atomic() does not support the {type(dbapi).__module__} driver")
@@ -158,7 +170,9 @@ def _wrap(django_connection: Any) -> Connection:
     )
     # Connects before the atomic block begins: SQLAlchemy's first connect
     # inspects the server and then rolls back, which must not touch our writes.
-    return engine.connect()
+    connection = engine.connect()
+    setattr(django_connection, _ENGINE_ATTR, (dbapi, engine))
+    return connection
 
 
 def _check_same_database(lease: Lease, settings_dict: Mapping[str, Any], alias: str) -> None:
