@@ -395,15 +395,26 @@ def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
 
 @lease.command()
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for another migrate run on the same database to finish.",
+)
 @click.pass_context
 @_operator_errors
-def migrate(ctx: click.Context, revision: str) -> None:
-    """Apply the shipped migrations (version table: celery_lease_alembic_version)."""
+def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
+    """Apply the shipped migrations (version table: celery_lease_alembic_version).
+
+    Runs at once on one database are safe: each takes the database's migration
+    lock, so one migrates and the others wait, then find the schema current.
+    """
     from .migrations import upgrade
 
     url = _database_url(ctx)
     shown = safe_url(url)
-    result = upgrade(url, revision)
+    result = upgrade(url, revision, lock_timeout=lock_timeout)
     if result.adopted:
         click.echo(
             f"{shown}: existing {TABLE_NAME} matches this version; recorded it at revision "

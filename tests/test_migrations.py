@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from celery_lease.migrations import VERSION_TABLE, MigrationError, head, upgrade
+from celery_lease.migrations.lock import migration_lock
 from celery_lease.schema import TABLE_NAME, metadata
 from celery_lease.store import LeaseStore
+from tests.helpers import REPO
 
 
 def _not_version_table(name: str | None, type_: str, parent_names: object) -> bool:
@@ -119,3 +128,100 @@ def test_upgrade_from_0001_widens_the_payload(db_url: str) -> None:
     row = store.get("r1")
     assert row is not None and row.payload == payload
     store.dispose()
+
+
+def _race_migrate(url: str, tmp_path: Path, *extra: str, racers: int = 2) -> list[Any]:
+    """Start ``racers`` ``celery lease migrate`` processes in lock-step; their results."""
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "CL_RACERS": str(racers),
+        "CL_MIGRATE_DELAY": "1.0",
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.migrate_racer",
+                str(barrier),
+                f"racer{i}",
+                "lease",
+                "--database-url",
+                url,
+                "migrate",
+                *extra,
+            ],
+            env=env,
+            cwd=str(REPO),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(racers)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60)
+        results.append((proc.returncode, out))
+    return results
+
+
+@pytest.mark.timeout(90)
+def test_two_migrate_runs_at_once_leave_one_schema(db_url: str, tmp_path: Path) -> None:
+    """Two `lease migrate` processes started together both exit 0: one migrates, one waits."""
+    results = _race_migrate(db_url, tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    outputs = sorted(out for _, out in results)
+    assert sum("migrated (empty) -> " in out for out in outputs) == 1, outputs
+    assert sum(f"already at revision {head()}" in out for out in outputs) == 1, outputs
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        versions = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    engine.dispose()
+    assert versions == [head()]
+    assert _tables(db_url) == {TABLE_NAME, VERSION_TABLE}
+    assert _differences(db_url) == []
+
+
+@pytest.mark.timeout(90)
+def test_two_migrate_runs_at_once_through_pgbouncer(pgbouncer_url: str, tmp_path: Path) -> None:
+    """The PostgreSQL lock is transaction-scoped: it works behind PgBouncer in transaction mode."""
+    results = _race_migrate(pgbouncer_url, tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    assert sum("migrated (empty) -> " in out for _, out in results) == 1, results
+    assert _differences(pgbouncer_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_migrate_waits_a_bounded_time_for_the_lock(db_url: str, tmp_path: Path) -> None:
+    """While another run holds the migration lock, migrate gives up after --lock-timeout."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            lock = migration_lock(conn)
+            with conn.begin():
+                lock.acquire(conn, 5)
+                started = time.monotonic()
+                proc = subprocess.run(
+                    [
+                        *(sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease"),
+                        *("--database-url", db_url, "migrate", "--lock-timeout", "1"),
+                    ],
+                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                    cwd=str(REPO),
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                waited = time.monotonic() - started
+            lock.release(conn)
+    finally:
+        engine.dispose()
+    assert proc.returncode == 1, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "held the migration lock for more than 1 s" in lines[0], lines
+    assert 0.9 <= waited < 20
+    assert upgrade(db_url).after == head()  # and the lock is free again

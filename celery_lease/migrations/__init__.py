@@ -28,6 +28,21 @@ from sqlalchemy import Connection, Engine, create_engine, inspect
 
 from ..errors import LeaseError
 from ..schema import TABLE_NAME, metadata
+from .lock import DEFAULT_LOCK_TIMEOUT, MigrationLockTimeout, migration_lock
+
+__all__ = [
+    "DEFAULT_LOCK_TIMEOUT",
+    "VERSION_TABLE",
+    "MigrationError",
+    "MigrationLockTimeout",
+    "MigrationResult",
+    "alembic_config",
+    "current",
+    "head",
+    "include_name",
+    "schema_differences",
+    "upgrade",
+]
 
 VERSION_TABLE = "celery_lease_alembic_version"
 SCRIPT_LOCATION = str(Path(__file__).resolve().parent)
@@ -98,17 +113,29 @@ def schema_differences(connection: Connection) -> list[Any]:
     return list(compare_metadata(context, metadata))
 
 
-def upgrade(target: str | Engine, revision: str = "head") -> MigrationResult:
+def upgrade(
+    target: str | Engine, revision: str = "head", *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+) -> MigrationResult:
     """Migrate the lease database at ``target`` (a URL or an engine) to ``revision``.
 
-    Runs in one transaction. Adopts a table that ``create_all`` made (see the
-    module docs); raises :class:`MigrationError` when such a table differs from
-    this version's schema. Driver errors propagate as SQLAlchemy errors.
+    Runs in one transaction, under the database's migration lock (see
+    :mod:`celery_lease.migrations.lock`): a run started while another one
+    migrates waits for it (at most ``lock_timeout`` seconds, then
+    :class:`MigrationLockTimeout`), then finds the schema current. Adopts a
+    table that ``create_all`` made (see the module docs); raises
+    :class:`MigrationError` when such a table differs from this version's
+    schema. Driver errors propagate as SQLAlchemy errors.
     """
     engine = create_engine(target) if isinstance(target, str) else target
     try:
-        with engine.begin() as connection:
-            return _upgrade(connection, revision)
+        with engine.connect() as connection:
+            lock = migration_lock(connection)
+            try:
+                with connection.begin():
+                    lock.acquire(connection, lock_timeout)
+                    return _upgrade(connection, revision)
+            finally:
+                lock.release(connection)
     finally:
         if isinstance(target, str):
             engine.dispose()

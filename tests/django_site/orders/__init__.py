@@ -1,0 +1,1 @@
+"""The example app: one model, one leased task."""
