@@ -722,7 +722,8 @@ def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
     try:
         while True:
             frame = render_top(store, shown, limit)
-            out.write(_HOME_CLEAR + frame + "\n")
+            # Piped (a log, `watch`-less scripts): frames one after another, no codes.
+            out.write((_HOME_CLEAR if tty else "") + frame + "\n\n")
             out.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
