@@ -29,7 +29,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .config import LeaseConfig
 from .errors import LeaseDatabaseError, LeaseError
-from .sanitize import safe_url, sanitize
+from .sanitize import describe_exception, safe_url, sanitize
 from .schema import (
     CANCELLED,
     QUEUED,
@@ -583,11 +583,20 @@ def rerun(
         _refuse_rerun(run_id, exc.status, force)
         raise
     tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
+    try:
+        if after.payload is not None:
+            requeue(app, after)
+        elif publish:
+            task.apply_async(args or [], kwargs or {}, task_id=task_id)
+    except Exception as exc:
+        raise _Failure(
+            f"run {run_id} is queued again ({tries}) but could not be published "
+            f"({describe_exception(exc)}): send {record.task_name} again under task id "
+            f"{task_id}, or `lease cancel {run_id}` to undo"
+        ) from None
     if after.payload is not None:
-        requeue(app, after)
         click.echo(f"run {run_id} is queued again ({tries}) and published from its stored message")
     elif publish:
-        task.apply_async(args or [], kwargs or {}, task_id=task_id)
         click.echo(
             f"run {run_id} is queued again ({tries}) and published as task {task_id} "
             "with the given arguments"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -291,3 +292,31 @@ def test_top_exits_0_on_sigint_when_piped(cluster: Cluster) -> None:
             proc.wait(10)
     assert proc.returncode == 0, err
     assert b"Traceback" not in err and b"\x1b" not in first + out
+
+
+@pytest.mark.timeout(90)
+def test_rerun_says_so_when_the_publish_fails(tmp_path: Path) -> None:
+    """A broker that refuses the message: exit 1, one line saying the run is queued and how
+    to send it; no traceback."""
+    url = f"sqlite:///{tmp_path / 'leases.sqlite3'}"
+    store = LeaseStore.from_url(url)
+    store.create_schema()
+    store.claim("r-1", "o", task_name="cli_app.charge", lease_ms=30_000, max_attempts=1)
+    store.fail("r-1", "o", 1, error="x", failure_code="e", retry_in=None)
+    store.dispose()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "CL_LEASE_DB": url,
+        "CL_BROKER_URL": "redis://127.0.0.1:1/0",  # nothing listens on port 1
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease", "rerun", "r-1",
+         "--args", "[7]"],
+        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=80, check=False,
+    )  # fmt: skip
+    refused(proc, "queued again", "could not be published", "lease cancel r-1")
+    store = LeaseStore.from_url(url)
+    row = store.get("r-1")
+    store.dispose()
+    assert row is not None and row.status == "queued"
