@@ -647,7 +647,7 @@ _CURSOR_OFF, _CURSOR_ON = "\x1b[?25l", "\x1b[?25h"
 
 def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
     """One frame of ``lease top``: live counts, recent activity, the live leases."""
-    activity = store.activity()
+    activity = store.activity(store.now_ms())
     leases = store.live_leases(limit)
     now = activity.now
     counts = activity.counts

@@ -1931,16 +1931,18 @@ class LeaseStore:
         return [RunRecord(**dict(row)) for row in rows]
 
     @_db_errors
-    def activity(self, window_ms: int = 60_000) -> Activity:
+    def activity(self, now: int, window_ms: int = 60_000) -> Activity:
         """Counts of live runs per status, and of the runs that ended or went
-        ``retrying`` within the last ``window_ms`` (DB clock); one read-only statement.
+        ``retrying`` within ``window_ms`` before ``now``; one read-only statement.
 
-        Only index ranges on ``(status, lease_expires_at)`` are read, never the
-        whole table: every live row, plus the terminal and ``retrying`` rows whose
-        lease ended inside the window (each end of an attempt sets
-        ``lease_expires_at`` to that moment).
+        ``now`` is the database clock (:meth:`now_ms`), passed as a value: the
+        planner then sees the window's bound and reads only index ranges on
+        ``(status, lease_expires_at)``, never the whole table (a bound computed
+        in the statement from the volatile clock hides its selectivity, and
+        PostgreSQL scans the table). Read: every live row, plus the terminal and
+        ``retrying`` rows whose lease ended inside the window (each end of an
+        attempt sets ``lease_expires_at`` to that moment).
         """
-        now = db_now_ms()
         since = now - window_ms
         live = (QUEUED, RUNNING, RETRYING)
         recent = runs.c.lease_expires_at >= since
@@ -1951,7 +1953,6 @@ class LeaseStore:
                 func.sum(case((recent, 1), else_=0)),
                 func.sum(case((runs.c.attempt > 1, 1), else_=0)),
                 func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
-                func.max(now),
             )
             .where(
                 or_(
@@ -1963,14 +1964,13 @@ class LeaseStore:
         )
         with self._auto.connect() as conn:
             rows = conn.execute(stmt).all()
-            db_now = int(rows[0][5]) if rows else int(conn.execute(select(now)).scalar_one())
         counts = {str(r[0]): int(r[1]) for r in rows if r[0] in live}
         ended = {str(r[0]): int(r[1]) for r in rows if r[0] not in live}
         by_status = {str(r[0]): r for r in rows}
         retrying = by_status.get(RETRYING)
         running = by_status.get(RUNNING)
         return Activity(
-            now=db_now,
+            now=now,
             window_ms=window_ms,
             counts={status: counts.get(status, 0) for status in live},
             ended_recently={status: ended.get(status, 0) for status in sorted(TERMINAL_STATUSES)},

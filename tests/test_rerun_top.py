@@ -126,7 +126,7 @@ def test_activity_and_live_leases_count_by_index_ranges(store: LeaseStore) -> No
     store.claim("g", "og", task_name="t", lease_ms=30_000, max_attempts=5)
     store.fail("g", "og", 1, error="x", failure_code="e", retry_in=60.0)
     assert store.cancel("g") == "cancelled"
-    activity = store.activity()
+    activity = store.activity(store.now_ms())
     assert activity.counts == {"queued": 0, "running": 4, "retrying": 1}
     assert activity.ended_recently == {"cancelled": 1, "failed": 0, "succeeded": 1}
     assert activity.retried_recently == 1 and activity.expired_leases == 1
@@ -320,3 +320,43 @@ def test_rerun_says_so_when_the_publish_fails(tmp_path: Path) -> None:
     row = store.get("r-1")
     store.dispose()
     assert row is not None and row.status == "queued"
+
+
+@pytest.mark.timeout(120)
+def test_top_reads_index_ranges_not_the_table_on_postgresql(pg_url: str) -> None:
+    """With 200,000 finished rows, `lease top`'s two statements plan as index scans of
+    (status, lease_expires_at): no sequential scan of the table."""
+    from sqlalchemy import event, text
+
+    store = LeaseStore.from_url(pg_url)
+    store.create_schema()
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO celery_lease_runs (id, task_name, status, lease_ms, attempt,"
+                " max_attempts, available_at, created_at, updated_at, lease_expires_at)"
+                " SELECT 'r' || g, 't', CASE WHEN g % 1000 = 0 THEN 'running'"
+                " WHEN g % 1000 = 1 THEN 'retrying' ELSE 'succeeded' END, 30000, 1, 5, 0, 0, 0,"
+                " (extract(epoch FROM now()) * 1000)::bigint - 10 * (200000 - g)"
+                " FROM generate_series(1, 200000) g"
+            )
+        )
+        conn.execute(text("ANALYZE celery_lease_runs"))
+    seen: list[tuple[str, Any]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
+        if "celery_lease_runs" in statement and not statement.startswith("EXPLAIN"):
+            seen.append((statement, params))
+
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", record)
+    activity = store.activity(store.now_ms())
+    assert activity.counts["running"] == 200 and activity.ended_recently["succeeded"] > 0
+    assert len(store.live_leases(30)) == 30
+    assert len(seen) == 2
+    with store.engine.connect() as conn:
+        for statement, params in seen:
+            plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params))
+            assert "Seq Scan" not in plan, plan
+            assert "ix_celery_lease_runs_status_expires" in plan, plan
+    store.dispose()
