@@ -17,6 +17,8 @@ import datetime
 import functools
 import json
 import os
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -27,9 +29,17 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .config import LeaseConfig
 from .errors import LeaseDatabaseError, LeaseError
-from .sanitize import safe_url, sanitize
-from .schema import CANCELLED, RUNNING, STATUSES, TABLE_NAME
-from .store import LeaseStore, RunNotFound, RunRecord
+from .sanitize import describe_exception, safe_url, sanitize
+from .schema import (
+    CANCELLED,
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    STATUSES,
+    SUCCEEDED,
+    TABLE_NAME,
+)
+from .store import LeaseStore, RunNotFound, RunNotRerunnable, RunRecord
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -490,3 +500,255 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     label_width = max(len(label) for label, _ in facts)
     for label, text in facts:
         click.echo(f"{label.ljust(label_width)}  {text}")
+
+
+# -- rerun ---------------------------------------------------------------------------
+
+
+def _json_option(value: str | None, kind: type, name: str) -> Any:
+    """``--args``/``--kwargs``: JSON of the given kind, or a usage error (exit 2)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=name) from None
+    if not isinstance(parsed, kind):
+        raise click.BadParameter(f"must be a JSON {kind.__name__}", param_hint=name)
+    return parsed
+
+
+@lease.command()
+@click.argument("run_id")
+@click.option("--force", is_flag=True, help="Also run a succeeded run again.")
+@click.option(
+    "--args",
+    "args_json",
+    default=None,
+    metavar="JSON",
+    help="Publish the run with these positional arguments (a JSON list).",
+)
+@click.option(
+    "--kwargs",
+    "kwargs_json",
+    default=None,
+    metavar="JSON",
+    help="Publish the run with these keyword arguments (a JSON object).",
+)
+@click.option(
+    "--attempts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Fresh attempts to give it (default: the task's lease_max_attempts).",
+)
+@click.pass_context
+@_operator_errors
+def rerun(
+    ctx: click.Context,
+    run_id: str,
+    force: bool,
+    args_json: str | None,
+    kwargs_json: str | None,
+    attempts: int | None,
+) -> None:
+    """Run a failed or cancelled run again: back to queued, with fresh attempts.
+
+    A finished run keeps no task arguments (they are cleared when it ends), so
+    the run is published again only with --args/--kwargs (checked against a
+    keyed task's lease_key); without them it waits, queued, for the caller to
+    send the task again with the same key (or task id).
+    """
+    from .sweeper import requeue
+    from .task import LeasedTask
+
+    args = _json_option(args_json, list, "--args")
+    kwargs = _json_option(kwargs_json, dict, "--kwargs")
+    app = ctx.obj.app
+    store = _open_store(ctx)
+    record = store.get(run_id)
+    if record is None:
+        raise RunNotFound(run_id)
+    _refuse_rerun(run_id, record.status, force)
+    task = app.tasks.get(record.task_name)
+    leased = isinstance(task, LeasedTask)
+    publish = args is not None or kwargs is not None
+    task_id = record.task_id or record.id
+    if publish:
+        if not leased:
+            raise _Failure(
+                f"task {record.task_name!r} is not a LeasedTask of this app (-A): cannot "
+                "publish it with --args/--kwargs"
+            )
+        expected = _rerun_run_id(task, task_id, args or [], kwargs or {})
+        if expected != run_id:
+            raise _Failure(
+                f"these arguments make run {expected!r}, not {run_id!r}: the task's "
+                "lease_key must give the run's own key"
+            )
+    if attempts is None:
+        config = task.lease_config() if leased else LeaseConfig.from_app(app)
+        attempts = config.max_attempts
+    try:
+        after = store.rerun(run_id, attempts=attempts, force=force)
+    except RunNotRerunnable as exc:  # it changed between the read and the update
+        _refuse_rerun(run_id, exc.status, force)
+        raise
+    tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
+    try:
+        if after.payload is not None:
+            requeue(app, after)
+        elif publish:
+            task.apply_async(args or [], kwargs or {}, task_id=task_id)
+    except Exception as exc:
+        raise _Failure(
+            f"run {run_id} is queued again ({tries}) but could not be published "
+            f"({describe_exception(exc)}): send {record.task_name} again under task id "
+            f"{task_id}, or `lease cancel {run_id}` to undo"
+        ) from None
+    if after.payload is not None:
+        click.echo(f"run {run_id} is queued again ({tries}) and published from its stored message")
+    elif publish:
+        click.echo(
+            f"run {run_id} is queued again ({tries}) and published as task {task_id} "
+            "with the given arguments"
+        )
+    else:
+        how = (
+            f"send {record.task_name} again with arguments that give this run's lease_key"
+            if leased and task.lease_config().key is not None
+            else f"send {record.task_name} again with task_id={task_id!r}"
+        )
+        click.echo(
+            f"run {run_id} is queued again ({tries}), but a finished run keeps no task "
+            f"arguments, so nothing was published: {how}, or use "
+            f"`lease rerun` with --args/--kwargs next time (`lease cancel {run_id}` undoes this)"
+        )
+
+
+def _refuse_rerun(run_id: str, status: str, force: bool) -> None:
+    """Raise the refusal of ``lease rerun`` for a run in ``status``, if it is refused."""
+    if status in (QUEUED, RUNNING, RETRYING):
+        raise _Failure(
+            f"run {run_id} is {status}: it is live, nothing to rerun "
+            f"(`lease cancel {run_id}` first if it must start over)"
+        )
+    if status == SUCCEEDED and not force:
+        raise _Failure(f"run {run_id} succeeded: pass --force to run it again")
+
+
+def _rerun_run_id(task: Any, task_id: str, args: list[Any], kwargs: dict[str, Any]) -> str:
+    """The run id a delivery of ``task`` with these arguments and ``task_id`` claims."""
+    from .task import fit_run_id
+
+    if task.lease_config().key is None:
+        return fit_run_id(task_id)
+    try:
+        return str(fit_run_id(task.lease_run_id(*args, **kwargs)))
+    except TypeError as exc:
+        raise _Failure(f"the arguments do not fit {task.name}: {exc}") from None
+
+
+# -- top -------------------------------------------------------------------------------
+
+#: ANSI: cursor home and clear the screen; alternate screen on/off; cursor off/on.
+_HOME_CLEAR = "\x1b[H\x1b[2J"
+_ALT_ON, _ALT_OFF = "\x1b[?1049h", "\x1b[?1049l"
+_CURSOR_OFF, _CURSOR_ON = "\x1b[?25l", "\x1b[?25h"
+
+
+def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
+    """One frame of ``lease top``: live counts, recent activity, the live leases."""
+    activity = store.activity(store.now_ms())
+    leases = store.live_leases(limit)
+    now = activity.now
+    counts = activity.counts
+    ended = activity.ended_recently
+    lines = [
+        f"celery lease top  {shown_url}  {format_time(now)} (database clock)",
+        f"live      queued {counts[QUEUED]}  running {counts[RUNNING]} "
+        f"(expired {activity.expired_leases}, past attempt 1: {activity.running_retries})  "
+        f"retrying {counts[RETRYING]}",
+        "last 60s  "
+        + "  ".join(f"{status} {ended[status]}" for status in sorted(ended))
+        + f"  retries/min {activity.retried_recently}",
+        "",
+    ]
+    rows = []
+    for r in leases:
+        left = "-" if r.lease_expires_at is None else r.lease_expires_at - now
+        rows.append(
+            (
+                r.id,
+                r.task_name,
+                _short_owner(r.lease_owner),
+                f"{r.attempt}/{r.max_attempts}",
+                left if isinstance(left, str) else _time_left(left),
+                "-" if r.heartbeat_at is None else format_duration(now - r.heartbeat_at),
+                "-"
+                if r.cancel_requested_at is None
+                else format_relative(r.cancel_requested_at, now),
+                "-" if r.started_at is None else format_duration(now - r.started_at),
+            )
+        )
+    if rows:
+        headers = ("ID", "TASK", "OWNER", "ATTEMPT", "LEFT", "HEARTBEAT", "CANCEL", "RUNNING FOR")
+        lines.append(render_table(headers, rows))
+        if counts[RUNNING] > len(rows):
+            lines.append(f"... {counts[RUNNING] - len(rows)} more (--limit)")
+    else:
+        lines.append("no live leases")
+    return "\n".join(lines)
+
+
+def _time_left(ms: int) -> str:
+    """A lease's time left, or how long ago it expired."""
+    return format_duration(ms) if ms > 0 else f"expired {format_duration(ms)} ago"
+
+
+@lease.command()
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=30,
+    show_default=True,
+    help="Live leases shown (soonest expiry first).",
+)
+@click.option("--once", is_flag=True, help="Print one frame, without terminal control codes.")
+@click.pass_context
+@_operator_errors
+def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
+    """A live view of the leases, refreshed in place, until Ctrl-C.
+
+    Shows the running runs (owner, attempt, lease time left, heartbeat age,
+    cancel request), the live runs per status, and what ended or went
+    retrying in the last minute; all times by the database clock.
+    """
+    store = _open_store(ctx)
+    shown = str(ctx.meta.get(_URL_KEY, "?"))
+    if once:
+        click.echo(render_top(store, shown, limit))
+        return
+    out = sys.stdout
+    tty = out.isatty()
+    if tty:
+        out.write(_ALT_ON + _CURSOR_OFF)
+    try:
+        while True:
+            frame = render_top(store, shown, limit)
+            # Piped (a log, `watch`-less scripts): frames one after another, no codes.
+            out.write((_HOME_CLEAR if tty else "") + frame + "\n\n")
+            out.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if tty:
+            out.write(_CURSOR_ON + _ALT_OFF)
+            out.flush()

@@ -129,6 +129,8 @@ class Lease:
         run_id: the run's id (the task id, or the task's ``lease_key``).
         owner: this claim's unique owner string.
         attempt: the fencing token; hand it to external systems.
+        max_attempts: the attempt at which the run is out of attempts, as the
+            claim read it from the row (0 when not known: the setting decides).
     """
 
     def __init__(
@@ -144,11 +146,13 @@ class Lease:
         started_at: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         watchdog: Watchdog | None = None,
+        max_attempts: int = 0,
     ) -> None:
         self.store = store
         self.run_id = run_id
         self.owner = owner
         self.attempt = attempt
+        self.max_attempts = max_attempts
         self.lease_seconds = lease_seconds
         self.heartbeat_interval = heartbeat_interval
         self.margin = safety_margin(lease_seconds)

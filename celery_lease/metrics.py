@@ -27,8 +27,10 @@ Exported (names as Prometheus shows them):
 
 Counts live in the process that emitted the event. With the prefork pool those
 are the pool children: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set and
-export with ``prometheus_client.multiprocess.MultiProcessCollector``, as the
-``prometheus_client`` docs describe for any forking server.
+serve, from the main process, a registry holding only a
+``prometheus_client.multiprocess.MultiProcessCollector`` (the recipe is in
+``docs/operations.md``, *Metrics*). Every metric here is a counter or a
+histogram, which multiprocess mode sums across processes, exited ones included.
 """
 
 from __future__ import annotations

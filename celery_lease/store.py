@@ -172,6 +172,9 @@ class ClaimResult:
     reason: str = ""
     #: For ``finished``: the task id of the delivery that ran the run (None if unknown).
     task_id: str | None = None
+    #: For ``claimed``: the attempt at which the run is out of attempts (the row's
+    #: ``max_attempts``: the claimer's setting, or more after ``celery lease rerun``).
+    max_attempts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -854,8 +857,17 @@ class LeaseStore:
             with self.engine.begin() as conn:
                 row = self._claim_locked(conn, values, lease_ms, max_attempts)
         if row is not None:
-            return ClaimResult("claimed", run_id, owner, row[0], RUNNING, 0.0, row[1])
+            return ClaimResult(
+                "claimed", run_id, owner, row[0], RUNNING, 0.0, row[1], max_attempts=row[2]
+            )
         return self._claim_refused(run_id, owner, max_attempts)
+
+    @staticmethod
+    def _attempt_ceiling(max_attempts: Any) -> Any:
+        """The attempt at which a run is out of attempts: the claimer's ``max_attempts``,
+        or the row's own when larger (``celery lease rerun`` raises it, so that
+        ``attempt``, the fencing token, never goes back)."""
+        return case((runs.c.max_attempts > max_attempts, runs.c.max_attempts), else_=max_attempts)
 
     def _claimable(self, max_attempts: Any) -> Any:
         now = db_now_ms()
@@ -868,7 +880,7 @@ class LeaseStore:
                 ),
                 and_(runs.c.status == RUNNING, runs.c.lease_expires_at <= now),
             ),
-            runs.c.attempt < max_attempts,
+            runs.c.attempt < self._attempt_ceiling(max_attempts),
             runs.c.cancel_requested_at.is_(None),
         )
 
@@ -887,7 +899,7 @@ class LeaseStore:
             "lease_expires_at": now + lease_ms,
             "heartbeat_at": now,
             "attempt": runs.c.attempt + 1,
-            "max_attempts": max_attempts,
+            "max_attempts": self._attempt_ceiling(max_attempts),
             "started_at": func.coalesce(runs.c.started_at, now),
             "finished_at": None,
             "updated_at": now,
@@ -931,7 +943,7 @@ class LeaseStore:
                 set_=self._takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
                 where=self._claimable(max_attempts),
             )
-            .returning(runs.c.attempt, runs.c.lease_expires_at)
+            .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts)
         )
 
     def _claim_upsert(
@@ -940,7 +952,7 @@ class LeaseStore:
         lease_ms: int,
         max_attempts: int,
         conn: Connection | None = None,
-    ) -> tuple[int, int] | None:
+    ) -> tuple[int, int, int] | None:
         """Run the prebuilt claim upsert; the new attempt and expiry, or None."""
         params = {
             "p_id": values["id"],
@@ -960,11 +972,11 @@ class LeaseStore:
         else:
             with self._auto.connect() as auto:
                 row = auto.execute(self._claim_stmt, params).first()
-        return None if row is None else (int(row[0]), int(row[1]))
+        return None if row is None else (int(row[0]), int(row[1]), int(row[2]))
 
     def _claim_limited(
         self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int
-    ) -> ClaimResult | tuple[int, int] | None:
+    ) -> ClaimResult | tuple[int, int, int] | None:
         """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
 
         The count and the claim run in one transaction, under the dialect's
@@ -1048,7 +1060,7 @@ class LeaseStore:
 
     def _claim_locked(
         self, conn: Connection, values: dict[str, Any], lease_ms: int, max_attempts: int
-    ) -> tuple[int, int] | None:
+    ) -> tuple[int, int, int] | None:
         """The same claim with a row lock, inside the caller's transaction (MySQL).
 
         Concurrent first claims of one id can deadlock (both hold the gap lock
@@ -1072,10 +1084,10 @@ class LeaseStore:
             if changed != 1:
                 return None
             attempt = int(current[0]) + 1
-        expires = conn.execute(
-            select(runs.c.lease_expires_at).where(runs.c.id == values["id"])
-        ).scalar_one()
-        return attempt, int(expires)
+        expires, ceiling = conn.execute(
+            select(runs.c.lease_expires_at, runs.c.max_attempts).where(runs.c.id == values["id"])
+        ).one()
+        return attempt, int(expires), int(ceiling)
 
     def _claim_refused(self, run_id: str, owner: str, max_attempts: int) -> ClaimResult:
         """Why a claim changed nothing; ends runs that can never be claimed again."""
@@ -1090,11 +1102,13 @@ class LeaseStore:
                         runs.c.lease_expires_at - now,
                         runs.c.available_at - now,
                         runs.c.task_id,
+                        runs.c.max_attempts,
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
                 return ClaimResult("busy", run_id, owner, 0, QUEUED, 0.0)
-            status, attempt, cancel_requested, lease_left, available_left, task_id = row
+            status, attempt, cancel_requested, lease_left, available_left, task_id, ceiling = row
+            max_attempts = max(max_attempts, int(ceiling))
             if status in TERMINAL_STATUSES:
                 return ClaimResult("finished", run_id, owner, attempt, status, task_id=task_id)
             wait_ms = lease_left if status == RUNNING else available_left
@@ -1145,6 +1159,7 @@ class LeaseStore:
                 last_error=case((runs.c.last_error.is_(None), error), else_=runs.c.last_error)
                 if error
                 else runs.c.last_error,
+                lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
                 finished_at=now,
                 updated_at=now,
                 **_CLEARED_MESSAGE,
@@ -1738,6 +1753,7 @@ class LeaseStore:
                 status=CANCELLED,
                 failure_code="cancelled",
                 cancel_requested_at=now,
+                lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
                 finished_at=now,
                 updated_at=now,
                 **_CLEARED_MESSAGE,
@@ -1851,3 +1867,149 @@ class LeaseStore:
             "oldest_running": None if oldest_row is None else RunRecord(**dict(oldest_row)),
             "lease_expired_recent": int(expired_recent),
         }
+
+    # -- operator: rerun and top (CLI) --
+
+    @_db_errors
+    def rerun(self, run_id: str, *, attempts: int, force: bool = False) -> RunRecord:
+        """Put a ``failed``/``cancelled`` run (``succeeded`` too with ``force``) back to ``queued``.
+
+        One guarded UPDATE (``WHERE status IN (...)``), so a run a worker holds
+        or has queued is never touched. The run gets ``attempts`` fresh attempts
+        without lowering ``attempt``, the fencing token: ``max_attempts`` becomes
+        ``attempt + attempts``. Owner, lease, cancel request, failure and times
+        of the ended series are cleared; the stored message (if any) and the
+        run's own ``task_id`` are kept. Returns the row as it is now. Raises
+        :class:`RunNotFound`, or :class:`RunNotRerunnable` with the status found.
+        """
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        allowed = [FAILED, CANCELLED] + ([SUCCEEDED] if force else [])
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status.in_(allowed))
+            .values(
+                status=QUEUED,
+                max_attempts=runs.c.attempt + attempts,
+                lease_owner=None,
+                lease_expires_at=None,
+                heartbeat_at=None,
+                available_at=now,
+                cancel_requested_at=None,
+                started_at=None,
+                finished_at=None,
+                last_error=None,
+                failure_code=None,
+                updated_at=now,
+            )
+        )
+        with self._auto.connect() as conn:
+            changed = conn.execute(stmt).rowcount
+        record = self.get(run_id)
+        if record is None:
+            raise RunNotFound(run_id)
+        if changed != 1:
+            raise RunNotRerunnable(run_id, record.status)
+        return record
+
+    @_db_errors
+    def live_leases(self, limit: int = 50) -> list[RunRecord]:
+        """Up to ``limit`` running runs, soonest lease expiry first; read only.
+
+        An index range on ``(status, lease_expires_at)``: the expired leases
+        (awaiting takeover or the sweeper) come first.
+        """
+        stmt = (
+            select(runs)
+            .where(runs.c.status == RUNNING)
+            .order_by(runs.c.lease_expires_at, runs.c.id)
+            .limit(max(0, limit))
+        )
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).mappings().all()
+        return [RunRecord(**dict(row)) for row in rows]
+
+    @_db_errors
+    def activity(self, now: int, window_ms: int = 60_000) -> Activity:
+        """Counts of live runs per status, and of the runs that ended or went
+        ``retrying`` within ``window_ms`` before ``now``; one read-only statement.
+
+        ``now`` is the database clock (:meth:`now_ms`), passed as a value: the
+        planner then sees the window's bound and reads only index ranges on
+        ``(status, lease_expires_at)``, never the whole table (a bound computed
+        in the statement from the volatile clock hides its selectivity, and
+        PostgreSQL scans the table). Read: every live row, plus the terminal and
+        ``retrying`` rows whose lease ended inside the window (each end of an
+        attempt sets ``lease_expires_at`` to that moment).
+        """
+        since = now - window_ms
+        live = (QUEUED, RUNNING, RETRYING)
+        recent = runs.c.lease_expires_at >= since
+        stmt = (
+            select(
+                runs.c.status,
+                func.count(),
+                func.sum(case((recent, 1), else_=0)),
+                func.sum(case((runs.c.attempt > 1, 1), else_=0)),
+                func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
+            )
+            .where(
+                or_(
+                    runs.c.status.in_(live),
+                    and_(runs.c.status.in_(sorted(TERMINAL_STATUSES)), recent),
+                )
+            )
+            .group_by(runs.c.status)
+        )
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).all()
+        counts = {str(r[0]): int(r[1]) for r in rows if r[0] in live}
+        ended = {str(r[0]): int(r[1]) for r in rows if r[0] not in live}
+        by_status = {str(r[0]): r for r in rows}
+        retrying = by_status.get(RETRYING)
+        running = by_status.get(RUNNING)
+        return Activity(
+            now=now,
+            window_ms=window_ms,
+            counts={status: counts.get(status, 0) for status in live},
+            ended_recently={status: ended.get(status, 0) for status in sorted(TERMINAL_STATUSES)},
+            retried_recently=0 if retrying is None else int(retrying[2] or 0),
+            running_retries=0 if running is None else int(running[3] or 0),
+            expired_leases=0 if running is None else int(running[4] or 0),
+        )
+
+
+class RunNotRerunnable(LeaseError):
+    """``celery lease rerun`` refused: the run is live, or succeeded without ``force``."""
+
+    code = "run_not_rerunnable"
+
+    def __init__(self, run_id: str, status: str) -> None:
+        self.run_id = run_id
+        self.status = status
+        super().__init__(f"{self.code}: run {run_id!r} is {status}")
+
+    def __reduce__(self) -> tuple[type[RunNotRerunnable], tuple[str, str]]:
+        return (type(self), (self.run_id, self.status))
+
+
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """What :meth:`LeaseStore.activity` counted; times are epoch ms (DB clock).
+
+    ``counts``: live runs per status (queued, running, retrying).
+    ``ended_recently``: runs that ended within the window, per terminal status.
+    ``retried_recently``: runs that went ``retrying`` within the window and
+    wait for their next claim (a retry claimed again already is running).
+    ``running_retries``: running runs past their first attempt.
+    ``expired_leases``: running runs whose lease has expired.
+    """
+
+    now: int
+    window_ms: int
+    counts: dict[str, int]
+    ended_recently: dict[str, int]
+    retried_recently: int
+    running_retries: int
+    expired_leases: int

@@ -249,12 +249,12 @@ class LeasedTask(Task):  # type: ignore[misc]
         Celery's state ``FAILURE`` with the real error.
         """
         lease = _current.get()
-        if lease is not None and lease.attempt >= self.lease_config().max_attempts:
+        if lease is not None and lease.attempt >= _ceiling(self.lease_config(), lease):
             if exc is not None:
                 raise_with_context(exc)
             raise self.MaxRetriesExceededError(
                 f"Can't retry {self.name}[{self.request.id}]: lease attempts spent "
-                f"({lease.attempt} of {self.lease_config().max_attempts})"
+                f"({lease.attempt} of {_ceiling(self.lease_config(), lease)})"
             )
         # Celery publishes the retry here: no interrupt may land inside kombu.
         with lease.uninterruptible() if lease is not None else contextlib.nullcontext():
@@ -346,6 +346,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             heartbeat_interval=config.heartbeat_interval,
             started_at=started_at,
             interrupt=config.interrupt and not self.app.__dict__.get("_celery_lease_green_pool"),
+            max_attempts=claim.max_attempts,
         )
         return self._run_body(config, runtime, lease, args, kwargs)
 
@@ -741,9 +742,10 @@ class LeasedTask(Task):  # type: ignore[misc]
     def _on_failure(
         self, config: LeaseConfig, runtime: Runtime, lease: Lease, exc: Exception
     ) -> NoReturn:
-        retry_in = (
-            None if lease.attempt >= config.max_attempts else backoff_delay(config, lease.attempt)
-        )
+        ceiling = _ceiling(config, lease)
+        # After a rerun the backoff starts over: count this series' failures only.
+        failures = lease.attempt - (ceiling - config.max_attempts)
+        retry_in = None if lease.attempt >= ceiling else backoff_delay(config, failures)
         try:
             status = runtime.store.fail(
                 lease.run_id,
@@ -773,7 +775,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             "run %s attempt %d/%d raised %s -> %s",
             lease.run_id,
             lease.attempt,
-            config.max_attempts,
+            _ceiling(config, lease),
             type(exc).__name__,
             status,
             level=logging.WARNING,
@@ -981,6 +983,11 @@ class LeasedTask(Task):  # type: ignore[misc]
         if isinstance(data, str):
             data = data.encode("utf-8")
         return data, content_type
+
+
+def _ceiling(config: LeaseConfig, lease: Lease) -> int:
+    """The attempt at which ``lease``'s run is out of attempts (raised by ``lease rerun``)."""
+    return max(config.max_attempts, lease.max_attempts)
 
 
 def _seconds_until(when: Any) -> float:

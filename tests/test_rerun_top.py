@@ -1,0 +1,362 @@
+"""``celery lease rerun`` and ``celery lease top``: the store methods on every database,
+the commands against real ``celery worker`` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_lease.store import LeaseStore, RunNotFound, RunNotRerunnable
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import REPO, wait_for
+
+FAST = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0, "lease_max_attempts": 2}
+TWO_SETUPS = pytest.mark.parametrize(
+    "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+
+
+def lease_cli(cluster: Cluster, *args: str, conf: dict[str, Any] | None = None) -> Any:
+    """``celery -A tests.workerapp lease ...`` on the cluster's database and broker."""
+    env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO)}
+    if conf:
+        env["CL_CONF"] = json.dumps(conf)
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", *args],
+        env=env,
+        cwd=str(cluster.tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def refused(proc: Any, *needles: str) -> None:
+    """Exit 1 with one ``Error:`` line naming ``needles``, no traceback."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# -- the store ------------------------------------------------------------------
+
+
+def _failed_run(store: LeaseStore, run_id: str, max_attempts: int) -> None:
+    for _ in range(max_attempts):
+        claim = store.claim(run_id, f"o-{time.monotonic_ns()}", task_name="t", lease_ms=30_000,
+                            max_attempts=max_attempts)  # fmt: skip
+        assert claim.outcome == "claimed"
+        retry = None if claim.attempt >= max_attempts else 0.0
+        store.fail(run_id, claim.owner, claim.attempt, error="x", failure_code="e", retry_in=retry)
+
+
+@pytest.mark.timeout(60)
+def test_rerun_gives_fresh_attempts_without_lowering_the_fencing_token(
+    store: LeaseStore,
+) -> None:
+    """A failed run is queued again with ``attempt`` kept; its next claims continue from it."""
+    _failed_run(store, "r", 2)
+    assert store.claim("r", "late", task_name="t", lease_ms=30_000, max_attempts=2).outcome == (
+        "finished"
+    )
+    after = store.rerun("r", attempts=3)
+    assert (after.status, after.attempt, after.max_attempts) == ("queued", 2, 5)
+    assert after.lease_owner is None and after.failure_code is None and after.last_error is None
+    # The claimer's own setting (2) is below the row's ceiling (5): the ceiling holds.
+    claim = store.claim("r", "again", task_name="t", lease_ms=30_000, max_attempts=2)
+    assert (claim.outcome, claim.attempt, claim.max_attempts) == ("claimed", 3, 5)
+    store.fail("r", "again", 3, error="x", failure_code="e", retry_in=0.0)
+    for attempt in (4, 5):
+        claim = store.claim("r", f"o{attempt}", task_name="t", lease_ms=30_000, max_attempts=2)
+        assert (claim.outcome, claim.attempt) == ("claimed", attempt)
+        store.fail("r", f"o{attempt}", attempt, error="x", failure_code="e", retry_in=0.0)
+    # Attempts spent again: the claim ends it, as for any run.
+    last = store.claim("r", "o6", task_name="t", lease_ms=30_000, max_attempts=2)
+    assert (last.outcome, last.status) == ("finished", "failed")
+
+
+@pytest.mark.timeout(60)
+def test_rerun_refuses_live_and_succeeded_runs(store: LeaseStore) -> None:
+    """Running, queued and retrying runs are never touched; succeeded only with force."""
+    store.claim("live", "o1", task_name="t", lease_ms=30_000, max_attempts=5)
+    with pytest.raises(RunNotRerunnable) as info:
+        store.rerun("live", attempts=5)
+    assert info.value.status == "running"
+    row = store.get("live")
+    assert row is not None and row.status == "running" and row.lease_owner == "o1"
+    store.fail("live", "o1", 1, error="x", failure_code="e", retry_in=60.0)
+    with pytest.raises(RunNotRerunnable, match="retrying"):
+        store.rerun("live", attempts=5)
+    done = store.claim("done", "o2", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.complete("done", "o2", done.attempt)
+    with pytest.raises(RunNotRerunnable, match="succeeded"):
+        store.rerun("done", attempts=5)
+    assert store.rerun("done", attempts=5, force=True).status == "queued"
+    with pytest.raises(RunNotFound):
+        store.rerun("nope", attempts=1)
+
+
+@pytest.mark.timeout(60)
+def test_activity_and_live_leases_count_by_index_ranges(store: LeaseStore) -> None:
+    """Live counts per status, recent ends and retries, the running rows soonest expiry first."""
+    store.claim("a", "oa", task_name="t", lease_ms=60_000, max_attempts=5)
+    store.claim("b", "ob", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.claim("c", "oc", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.fail("c", "oc", 1, error="x", failure_code="e", retry_in=60.0)
+    store.claim("d", "od", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.complete("d", "od", 1)
+    store.claim("e", "oe", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.cancel("e")
+    store.claim("f", "of", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.expire("f")
+    store.claim("g", "og", task_name="t", lease_ms=30_000, max_attempts=5)
+    store.fail("g", "og", 1, error="x", failure_code="e", retry_in=60.0)
+    assert store.cancel("g") == "cancelled"
+    activity = store.activity(store.now_ms())
+    assert activity.counts == {"queued": 0, "running": 4, "retrying": 1}
+    assert activity.ended_recently == {"cancelled": 1, "failed": 0, "succeeded": 1}
+    assert activity.retried_recently == 1 and activity.expired_leases == 1
+    assert activity.running_retries == 0
+    assert [r.id for r in store.live_leases(10)] == ["f", "b", "e", "a"]
+    assert [r.id for r in store.live_leases(2)] == ["f", "b"]
+
+
+# -- the commands, with real workers ------------------------------------------------
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
+def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> None:
+    """A run failed with attempts spent is rerun with --args and succeeds on attempt 3."""
+    cluster.start("w1", conf=FAST)
+    run_id = cluster.send("workerapp.flaky", 2)
+    wait_for(lambda: cluster.status(run_id) == "failed", 60, what="run to fail")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 2 and row.payload is None
+    proc = lease_cli(cluster, "rerun", run_id, "--args", "[2]", conf=FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "queued again (attempts 3..4) and published" in proc.stdout
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="rerun to succeed")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 3 and row.failure_code is None
+    assert [e.attempt for e in cluster.effects(run_id, "commit")] == [3]
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2, 3]
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
+def test_rerun_of_cancelled_run_waits_for_the_task_sent_again(cluster: Cluster) -> None:
+    """A cancelled run, rerun without arguments, is queued; the same task id sent again runs."""
+    cluster.start("w1", conf=FAST)
+    run_id = cluster.send("workerapp.watch", 30.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="body to start")
+    assert lease_cli(cluster, "cancel", run_id).returncode == 0
+    wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="run to be cancelled")
+    proc = lease_cli(cluster, "rerun", run_id, conf=FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing was published" in proc.stdout and f"task_id={run_id!r}" in proc.stdout
+    row = cluster.store.get(run_id)
+    assert row is not None and row.status == "queued" and row.cancel_requested_at is None
+    cluster.send("workerapp.watch", 0.1, task_id=run_id)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="rerun to succeed")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 2
+    assert [e.kind for e in cluster.effects(run_id)] == ["start", "saw_cancel", "start"]
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(120)
+def test_rerun_refusals_exit_1_and_change_nothing(cluster: Cluster) -> None:
+    """Live runs are refused; succeeded needs --force; wrong --args and unknown ids are refused."""
+    cluster.start("w1", conf=FAST)
+    live = cluster.send("workerapp.watch", 30.0)
+    wait_for(lambda: cluster.effects(live, "start"), 30, what="body to start")
+    before = cluster.store.get(live)
+    refused(lease_cli(cluster, "rerun", live), f"run {live} is running", "lease cancel")
+    assert cluster.store.get(live) == before
+    done = cluster.send("workerapp.work", 0.0)
+    wait_for(lambda: cluster.status(done) == "succeeded", 30, what="run to succeed")
+    refused(lease_cli(cluster, "rerun", done), "succeeded", "--force")
+    assert cluster.status(done) == "succeeded"
+    refused(lease_cli(cluster, "rerun", "no-such-run"), "no run with id")
+    bad = lease_cli(cluster, "rerun", done, "--force", "--args", "{not json")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    forced = lease_cli(cluster, "rerun", done, "--force", "--args", "[0.0]", conf=FAST)
+    assert forced.returncode == 0, forced.stderr
+    wait_for(
+        lambda: len(cluster.effects(done, "commit")) == 2, 30, what="forced rerun to commit again"
+    )
+    wait_for(lambda: cluster.status(done) == "succeeded", 30, what="forced rerun to succeed")
+    assert cluster.store.get(done).attempt == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+@pytest.mark.timeout(120)
+def test_top_once_shows_a_workers_live_lease(cluster: Cluster) -> None:
+    """`lease top --once` lists the lease a real worker holds, with owner, attempt and times."""
+    cluster.start("w1", conf=FAST)
+    run_id = cluster.send("workerapp.watch", 30.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="body to start")
+    proc = lease_cli(cluster, "top", "--once")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "\x1b" not in out
+    assert "running 1 (expired 0" in out and "retrying 0" in out
+    line = next(line for line in out.splitlines() if line.startswith(run_id))
+    cells = line.split()
+    assert cells[1] == "workerapp.watch" and cells[2].startswith("w1@")
+    assert cells[3] == "1/2" and cells[4].endswith("s")
+    assert "cancel" not in line
+    assert lease_cli(cluster, "cancel", run_id).returncode == 0
+    wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="run to be cancelled")
+    out = lease_cli(cluster, "top", "--once").stdout
+    assert "no live leases" in out and "cancelled 1" in out
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(60)
+def test_top_exits_0_on_ctrl_c_and_restores_the_terminal(cluster: Cluster) -> None:
+    """On a terminal, `lease top` refreshes in place; SIGINT ends it with status 0, no traceback,
+    cursor shown again and the normal screen back."""
+    master, slave = pty.openpty()
+    env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", "top", "--interval",
+         "0.2"],
+        env=env, cwd=str(cluster.tmp_path), stdin=slave, stdout=slave, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    os.close(slave)
+    output = b""
+
+    def read() -> bytes:
+        nonlocal output
+        while select.select([master], [], [], 0.05)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+        return output
+
+    try:
+        wait_for(lambda: read().count(b"celery lease top") >= 2, 30, what="two frames")
+        assert output.startswith(b"\x1b[?1049h\x1b[?25l") and b"\x1b[H\x1b[2J" in output
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
+    stderr = proc.stderr.read().decode() if proc.stderr else ""
+    assert "Traceback" not in stderr and "Aborted" not in stderr, stderr
+    assert output.endswith(b"\x1b[?25h\x1b[?1049l"), output[-80:]
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(60)
+def test_top_exits_0_on_sigint_when_piped(cluster: Cluster) -> None:
+    """Piped (no terminal), `lease top` writes no control codes and exits 0 on SIGINT."""
+    env = {**os.environ, **cluster.env, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", "top", "--interval",
+         "0.2"],
+        env=env, cwd=str(cluster.tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert b"celery lease top" in first
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err and b"\x1b" not in first + out
+
+
+@pytest.mark.timeout(90)
+def test_rerun_says_so_when_the_publish_fails(tmp_path: Path) -> None:
+    """A broker that refuses the message: exit 1, one line saying the run is queued and how
+    to send it; no traceback."""
+    url = f"sqlite:///{tmp_path / 'leases.sqlite3'}"
+    store = LeaseStore.from_url(url)
+    store.create_schema()
+    store.claim("r-1", "o", task_name="cli_app.charge", lease_ms=30_000, max_attempts=1)
+    store.fail("r-1", "o", 1, error="x", failure_code="e", retry_in=None)
+    store.dispose()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "CL_LEASE_DB": url,
+        "CL_BROKER_URL": "redis://127.0.0.1:1/0",  # nothing listens on port 1
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease", "rerun", "r-1",
+         "--args", "[7]"],
+        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=80, check=False,
+    )  # fmt: skip
+    refused(proc, "queued again", "could not be published", "lease cancel r-1")
+    store = LeaseStore.from_url(url)
+    row = store.get("r-1")
+    store.dispose()
+    assert row is not None and row.status == "queued"
+
+
+@pytest.mark.timeout(120)
+def test_top_reads_index_ranges_not_the_table_on_postgresql(pg_url: str) -> None:
+    """With 200,000 finished rows, `lease top`'s two statements plan as index scans of
+    (status, lease_expires_at): no sequential scan of the table."""
+    from sqlalchemy import event, text
+
+    store = LeaseStore.from_url(pg_url)
+    store.create_schema()
+    with store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO celery_lease_runs (id, task_name, status, lease_ms, attempt,"
+                " max_attempts, available_at, created_at, updated_at, lease_expires_at)"
+                " SELECT 'r' || g, 't', CASE WHEN g % 1000 = 0 THEN 'running'"
+                " WHEN g % 1000 = 1 THEN 'retrying' ELSE 'succeeded' END, 30000, 1, 5, 0, 0, 0,"
+                " (extract(epoch FROM now()) * 1000)::bigint - 10 * (200000 - g)"
+                " FROM generate_series(1, 200000) g"
+            )
+        )
+        conn.execute(text("ANALYZE celery_lease_runs"))
+    seen: list[tuple[str, Any]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
+        if "celery_lease_runs" in statement and not statement.startswith("EXPLAIN"):
+            seen.append((statement, params))
+
+    for engine in store.engines:
+        event.listen(engine, "before_cursor_execute", record)
+    activity = store.activity(store.now_ms())
+    assert activity.counts["running"] == 200 and activity.ended_recently["succeeded"] > 0
+    assert len(store.live_leases(30)) == 30
+    assert len(seen) == 2
+    with store.engine.connect() as conn:
+        for statement, params in seen:
+            plan = "\n".join(r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, params))
+            assert "Seq Scan" not in plan, plan
+            assert "ix_celery_lease_runs_status_expires" in plan, plan
+    store.dispose()
