@@ -30,6 +30,7 @@ from sqlalchemy import (
     bindparam,
     case,
     create_engine,
+    delete,
     event,
     func,
     insert,
@@ -72,6 +73,9 @@ SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
 CLAIM_CONTENTION_TRIES = 8
 
 ClaimOutcome = Literal["claimed", "busy", "finished"]
+
+#: Rows one retention statement deletes at most: a short transaction on every dialect.
+PURGE_BATCH = 1000
 
 #: A terminal run keeps no stored message: task arguments are often personal data.
 _CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
@@ -749,8 +753,11 @@ class LeaseStore:
 
     @_db_errors
     def create_schema(self) -> None:
-        """Create the runs table if missing (the embedded default; elsewhere use migrations)."""
+        """Create the runs table and any index it lacks (the embedded default; else migrate)."""
         metadata.create_all(self.engine, checkfirst=True)
+        # A table an earlier version made lacks the indexes added since.
+        for index in runs.indexes:
+            index.create(self.engine, checkfirst=True)
 
     @_db_errors
     def has_schema(self) -> bool:
@@ -1173,7 +1180,7 @@ class LeaseStore:
             "lease_expires_at": now,
             "finished_at": now,
             "updated_at": now,
-            "payload": None,
+            **_CLEARED_MESSAGE,
         }
         stmt = (
             update(runs)
@@ -1765,6 +1772,59 @@ class LeaseStore:
         if status not in TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
             return self.cancel(run_id, task_id=task_id)  # it changed status between statements
         return str(status)
+
+    # -- retention ------------------------------------------------------------
+
+    @staticmethod
+    def _purgeable(status: str, older_than_ms: int) -> Any:
+        """Rows of finished ``status`` that finished more than ``older_than_ms`` ago (DB clock)."""
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"only finished runs can be purged, not {status!r} ones")
+        if older_than_ms < 0:
+            raise ValueError(f"older_than_ms must be >= 0, got {older_than_ms}")
+        # A scalar subquery, evaluated once: an index bound (clock_timestamp() is
+        # volatile, so PostgreSQL would filter every row of the status instead).
+        cutoff = select(db_now_ms() - older_than_ms).scalar_subquery()
+        return and_(runs.c.status == status, runs.c.finished_at < cutoff)
+
+    @_db_errors
+    def purge_finished(self, status: str, older_than_ms: int, limit: int = PURGE_BATCH) -> int:
+        """Delete the oldest ``limit`` rows of ``status`` finished over ``older_than_ms`` ago.
+
+        Only terminal rows (``succeeded``, ``failed``, ``cancelled``) are ever
+        touched. One short transaction, in the order of the
+        ``(status, finished_at)`` index; on PostgreSQL and MySQL the rows are
+        picked ``FOR UPDATE SKIP LOCKED``, so a concurrent purge or a locked row
+        is skipped, never waited for. Returns how many rows were deleted.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        purgeable = self._purgeable(status, older_than_ms)
+        oldest = (
+            select(runs.c.id)
+            .where(purgeable)
+            .order_by(runs.c.finished_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)  # SQLite compiles no FOR UPDATE
+        )
+        if self.dialect not in ("mysql", "mariadb"):
+            with self._auto.connect() as conn:
+                return int(
+                    conn.execute(delete(runs).where(runs.c.id.in_(oldest), purgeable)).rowcount
+                )
+        # MySQL refuses LIMIT in an IN subquery: pick, then delete, in one transaction.
+        with self.engine.begin() as conn:
+            ids = list(conn.execute(oldest).scalars())
+            if not ids:
+                return 0
+            return int(conn.execute(delete(runs).where(runs.c.id.in_(ids), purgeable)).rowcount)
+
+    @_db_errors
+    def count_finished(self, status: str, older_than_ms: int) -> int:
+        """How many rows :meth:`purge_finished` would delete now, by index; read only."""
+        stmt = select(func.count()).select_from(runs).where(self._purgeable(status, older_than_ms))
+        with self._auto.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
 
     # -- reads ----------------------------------------------------------------
 
