@@ -1808,10 +1808,11 @@ class LeaseStore:
             .with_for_update(skip_locked=True)  # SQLite compiles no FOR UPDATE
         )
         if self.dialect not in ("mysql", "mariadb"):
+            # The rows are locked (PostgreSQL) or the writer is alone (SQLite) and
+            # were picked by the guard; no second filter, which would let the
+            # planner scan the table instead of probing the primary key.
             with self._auto.connect() as conn:
-                return int(
-                    conn.execute(delete(runs).where(runs.c.id.in_(oldest), purgeable)).rowcount
-                )
+                return int(conn.execute(delete(runs).where(runs.c.id.in_(oldest))).rowcount)
         # MySQL refuses LIMIT in an IN subquery: pick, then delete, in one transaction.
         with self.engine.begin() as conn:
             ids = list(conn.execute(oldest).scalars())
@@ -1875,39 +1876,52 @@ class LeaseStore:
     def stats(self, *, window_ms: int = 3_600_000) -> dict[str, Any]:
         """Per-status counts, live and expired leases, oldest running run, recent expiries.
 
-        Read only, three statements (not one snapshot). Keys: ``now`` (DB clock,
+        Read only, four statements (not one snapshot), each answered from the
+        ``(status, ...)`` indexes: the counts from the status index alone, the
+        rest from live rows and recently failed ones, never the whole table's
+        rows. Keys: ``now`` (DB clock,
         epoch ms), ``counts`` (status -> rows), ``live_leases`` (running, lease
         unexpired), ``expired_leases`` (running, lease expired: awaiting takeover
         or the sweeper), ``oldest_running`` (a :class:`RunRecord` or None),
         ``lease_expired_recent`` (rows with ``failure_code = 'lease_expired'``
-        updated within ``window_ms``).
+        updated within ``window_ms``; a finished row is last updated when it finished).
         """
         now = db_now_ms()
         running = runs.c.status == RUNNING
-        per_status = select(
-            runs.c.status,
-            func.count(),
-            func.sum(case((and_(running, runs.c.lease_expires_at > now), 1), else_=0)),
-            func.sum(case((and_(running, runs.c.lease_expires_at <= now), 1), else_=0)),
-        ).group_by(runs.c.status)
+        per_status = select(runs.c.status, func.count()).group_by(runs.c.status)
+        leases = select(
+            func.sum(case((runs.c.lease_expires_at > now, 1), else_=0)),
+            func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
+        ).where(running)
         oldest = (
             select(runs)
             .where(running)
             .order_by(runs.c.started_at.is_(None), runs.c.started_at, runs.c.id)
             .limit(1)
         )
+        # A scalar subquery is an index bound (a volatile clock is not); only
+        # live rows and runs that failed within the window can carry the code.
+        since = select(now - window_ms).scalar_subquery()
         recent = select(now, func.count()).where(
-            runs.c.failure_code == "lease_expired", runs.c.updated_at >= now - window_ms
+            runs.c.failure_code == "lease_expired",
+            or_(
+                and_(
+                    runs.c.status.in_((QUEUED, RUNNING, RETRYING)),
+                    runs.c.updated_at >= since,
+                ),
+                and_(runs.c.status == FAILED, runs.c.finished_at >= since),
+            ),
         )
         with self._auto.connect() as conn:
             grouped = conn.execute(per_status).all()
+            live, expired = conn.execute(leases).one()
             oldest_row = conn.execute(oldest).mappings().first()
             db_now, expired_recent = conn.execute(recent).one()
         return {
             "now": int(db_now),
             "counts": {str(r[0]): int(r[1]) for r in grouped},
-            "live_leases": sum(int(r[2] or 0) for r in grouped),
-            "expired_leases": sum(int(r[3] or 0) for r in grouped),
+            "live_leases": int(live or 0),
+            "expired_leases": int(expired or 0),
             "oldest_running": None if oldest_row is None else RunRecord(**dict(oldest_row)),
             "lease_expired_recent": int(expired_recent),
         }

@@ -1,0 +1,366 @@
+"""Retention at scale: 1,000,000 finished rows plus 10,000 live ones, on PostgreSQL and SQLite.
+
+Usage: ``python -m benchmarks.retention [--finished N] [--live N] [--claims N]
+[--backend pg|sqlite|both] [--write]``. PostgreSQL comes from
+``CELERY_LEASE_BENCH_PG_URL`` (an admin URL: a throwaway database is created
+and dropped); SQLite is a file in a temporary directory.
+
+The table is made by ``celery lease migrate`` (``celery_lease.migrations.upgrade``)
+and filled in one ``INSERT .. SELECT`` over a generated series: finished rows
+(90 % succeeded, 7 % failed, 3 % cancelled) whose ``finished_at`` is spread
+evenly over the last 14 days, so that with ``lease_retention`` = 7 days half of
+them are due, plus live rows (running with unexpired leases, some retrying).
+PostgreSQL then gets ``VACUUM ANALYZE`` (what autovacuum does after a bulk load);
+SQLite gets nothing (the library never runs ``ANALYZE``).
+
+Measured, each the median of several calls unless said otherwise:
+
+- one sweep (``celery_lease.sweeper.sweep``: expired leases, stranded runs, then
+  retention) with nothing due (``lease_retention`` = 15 days), with one batch
+  due (the per-sweep limit set to one batch), and at the default per-sweep
+  limit (10 batches);
+- one purge batch (``LeaseStore.purge_finished``, 1,000 rows): ms and rows/s;
+- ``celery lease stats`` (``LeaseStore.stats``) and a dry-run count;
+- a claim's latency (new run id, ``LeaseStore.claim``) while idle and while a
+  ``celery lease purge`` of every due row runs in another process, measured in
+  alternating blocks in one run; p50/p95/p99 and the p50 ratio.
+
+The statements are captured as the store sends them (SQLAlchemy's
+``before_cursor_execute``) and printed with ``EXPLAIN`` (PostgreSQL: ``EXPLAIN
+(ANALYZE, BUFFERS)`` inside a transaction that is rolled back; SQLite:
+``EXPLAIN QUERY PLAN``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import re
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import event, text
+
+from celery_lease import retention
+from celery_lease.migrations import upgrade
+from celery_lease.store import PURGE_BATCH, LeaseStore
+from celery_lease.sweeper import sweep
+from tests.helpers import scratch_database
+
+from .common import REPO, check_loopback, pg_admin_url
+
+DAY_MS = 86_400_000
+RETENTION_S = 7 * 86_400.0
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- retention:begin -->", "<!-- retention:end -->"
+
+COLUMNS = (
+    "id, task_name, status, lease_owner, lease_expires_at, lease_ms, heartbeat_at, attempt, "
+    "max_attempts, available_at, cancel_requested_at, started_at, finished_at, last_error, "
+    "failure_code, concurrency_key, task_id, payload, payload_content_type, created_at, updated_at"
+)
+
+
+def _finished_select(series: str, n: int, now: int) -> str:
+    """SELECT of ``n`` finished rows from ``series`` (a column ``g``), spread over 14 days."""
+    step = 14 * DAY_MS // n
+    status = (
+        "CASE WHEN g % 100 < 90 THEN 'succeeded' WHEN g % 100 < 97 THEN 'failed' "
+        "ELSE 'cancelled' END"
+    )
+    fin = f"({now} - g * {step})"
+    return (
+        f"SELECT 'done-' || g, 'bench.task', {status}, 'host:1:' || g, {fin}, 30000, {fin} - 5, "
+        f"1, 5, {fin} - 1000, NULL, {fin} - 1000, {fin}, "
+        "CASE WHEN g % 100 >= 90 AND g % 100 < 97 THEN 'ValueError: boom' END, "
+        "CASE WHEN g % 100 >= 90 AND g % 100 < 97 THEN "
+        "CASE WHEN g % 7 = 0 THEN 'lease_expired' ELSE 'task_error' END "
+        "WHEN g % 100 >= 97 THEN 'cancelled' END, "
+        f"NULL, 'done-' || g, NULL, NULL, {fin} - 1000, {fin} FROM {series}"
+    )
+
+
+def _live_select(series: str, now: int) -> str:
+    """SELECT of live rows: running with a lease 10 minutes long, every tenth retrying."""
+    status = "CASE WHEN g % 10 = 0 THEN 'retrying' ELSE 'running' END"
+    return (
+        f"SELECT 'live-' || g, 'bench.task', {status}, 'host:2:' || g, {now} + 600000, 600000, "
+        f"{now}, 1, 5, {now} + 600000, NULL, {now}, NULL, NULL, NULL, NULL, 'live-' || g, "
+        f"NULL, NULL, {now}, {now} FROM {series}"
+    )
+
+
+def fill(store: LeaseStore, finished: int, live: int) -> float:
+    """Bulk-load the rows; seconds taken."""
+    now = store.now_ms()
+    started = time.perf_counter()
+    if store.dialect == "postgresql":
+        series = "generate_series(1, {n}) AS s(g)"
+        with store.engine.begin() as conn:
+            conn.execute(text("SET LOCAL statement_timeout = 0"))
+            conn.execute(
+                text(
+                    f"INSERT INTO celery_lease_runs ({COLUMNS}) "
+                    + _finished_select(series.format(n=finished), finished, now)
+                )
+            )
+            conn.execute(
+                text(
+                    f"INSERT INTO celery_lease_runs ({COLUMNS}) "
+                    + _live_select(series.format(n=live), now)
+                )
+            )
+        with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("SET statement_timeout = 0"))
+            conn.execute(text("VACUUM ANALYZE celery_lease_runs"))
+    else:
+        raw = store.engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            cursor.execute("BEGIN")
+            for n, select in (
+                (finished, _finished_select("s", finished, now)),
+                (live, _live_select("s", now)),
+            ):
+                cursor.execute(
+                    "WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < ?) "
+                    f"INSERT INTO celery_lease_runs ({COLUMNS}) {select}",
+                    (n,),
+                )
+            cursor.execute("COMMIT")
+        finally:
+            raw.close()
+    return time.perf_counter() - started
+
+
+@contextmanager
+def captured(store: LeaseStore) -> Iterator[list[tuple[str, Any]]]:
+    """The statements ``store`` sends inside the block, with their parameters."""
+    seen: list[tuple[str, Any]] = []
+
+    def listen(
+        conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: Any
+    ) -> None:
+        seen.append((statement, params))
+
+    engines = {id(e): e for e in store.engines}.values()
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", listen)
+    try:
+        yield seen
+    finally:
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", listen)
+
+
+def explain(store: LeaseStore, url: str, statement: str, params: Any) -> str:
+    """The plan of one captured statement (executed and rolled back on PostgreSQL)."""
+    if store.dialect == "postgresql":
+        import psycopg
+
+        conninfo = url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(conninfo) as conn, conn.cursor() as cursor:
+            cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {statement}", params)
+            plan = "\n".join(str(row[0]) for row in cursor.fetchall())
+            conn.rollback()
+        return plan
+    raw = store.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute(f"EXPLAIN QUERY PLAN {statement}", params)
+        return "\n".join(str(row[-1]) for row in cursor.fetchall())
+    finally:
+        raw.close()
+
+
+SEQ_SCAN = re.compile(r"Seq Scan on celery_lease_runs|SCAN celery_lease_runs(?! USING)")
+
+
+def timed(fun: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    """Median milliseconds of ``repeat`` calls, and the last call's result."""
+    times: list[float] = []
+    result: Any = None
+    for _ in range(repeat):
+        started = time.perf_counter()
+        result = fun()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times), result
+
+
+def _app(url: str, retention_s: float) -> Celery:
+    app = Celery("bench", set_as_current=False)
+    app.conf.update(lease_database_url=url, lease_retention=retention_s, broker_url="memory://")
+    return app
+
+
+def _purger(url: str, done: Any) -> None:
+    """A forked ``celery lease purge --older-than 7d``: every due row, in batches."""
+    store = LeaseStore.from_url(url)
+    report = retention.purge(store, RETENTION_S)
+    done.put(report.total)
+    store.dispose()
+
+
+def _claims(store: LeaseStore, n: int, alive: Callable[[], bool] = lambda: True) -> list[float]:
+    latencies: list[float] = []
+    for _ in range(n):
+        if not alive():
+            break
+        run_id = f"lat-{uuid.uuid4().hex}"
+        started = time.perf_counter()
+        store.claim(run_id, "bench:1:x", task_name="bench.task", lease_ms=60_000, max_attempts=5)
+        latencies.append((time.perf_counter() - started) * 1000)
+    return latencies
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def claim_latency(store: LeaseStore, url: str, claims: int) -> dict[str, Any]:
+    """Claims idle (before and after) and while a purge runs in another process."""
+    _claims(store, 200)  # warm: connections, prepared statements
+    idle = _claims(store, claims // 2)
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Queue()
+    store.dispose()  # the child must not share pooled connections
+    child = ctx.Process(target=_purger, args=(url, done))
+    started = time.perf_counter()
+    child.start()
+    time.sleep(0.3)  # the purge is under way
+    during = _claims(store, claims, child.is_alive)
+    child.join(600)
+    purge_seconds = time.perf_counter() - started
+    purged = done.get(timeout=10)
+    idle += _claims(store, claims - len(idle))
+    return {"idle": idle, "during": during, "purged": purged, "purge_seconds": purge_seconds}
+
+
+def run_backend(name: str, url: str, finished: int, live: int, claims: int) -> dict[str, Any]:
+    """Every measurement on one database; the figures and the plans."""
+    upgrade(url)
+    store = LeaseStore.from_url(url)
+    fill_s = fill(store, finished, live)
+    out: dict[str, Any] = {"name": name, "fill_s": fill_s, "plans": []}
+    week_ms = round(RETENTION_S * 1000)
+
+    # Plans of the statements as the store sends them.
+    with captured(store) as seen:
+        sweep(_app(url, RETENTION_S), store, purge_limit=PURGE_BATCH)
+        store.stats()
+        store.count_finished("succeeded", week_ms)
+    for statement, params in seen:
+        if statement.lstrip().upper().startswith(("SELECT", "DELETE", "UPDATE", "WITH")):
+            plan = explain(store, url, statement, params)
+            out["plans"].append((statement, plan))
+    out["seq_scans"] = sum(bool(SEQ_SCAN.search(p)) for _, p in out["plans"])
+
+    out["stats_ms"], _ = timed(store.stats, 5)
+    out["count_ms"], _ = timed(lambda: retention.count(store, RETENTION_S), 3)
+    far = _app(url, 15 * 86_400.0)
+    out["sweep_idle_ms"], _ = timed(lambda: sweep(far, store), 5)
+    app = _app(url, RETENTION_S)
+    out["sweep_batch_ms"], report = timed(lambda: sweep(app, store, purge_limit=PURGE_BATCH), 5)
+    out["sweep_batch_rows"] = sum(report.purged.values())
+    out["sweep_full_ms"], report = timed(lambda: sweep(app, store), 3)
+    out["sweep_full_rows"] = sum(report.purged.values())
+    batch_ms, removed = timed(lambda: store.purge_finished("succeeded", week_ms, PURGE_BATCH), 20)
+    out["batch_ms"], out["batch_rows"] = batch_ms, removed
+    out["batch_rows_s"] = removed / (batch_ms / 1000)
+    out["latency"] = claim_latency(store, url, claims)
+    store.dispose()
+    return out
+
+
+def report(results: list[dict[str, Any]], finished: int, live: int) -> str:
+    """The figures as Markdown: one table, the claim latencies, the plans."""
+    lines = [
+        f"{finished:,} finished rows (finished over the last 14 days, half of them older "
+        f"than `lease_retention` = 7 days) + {live:,} live ones; batches of {PURGE_BATCH:,} "
+        f"rows; the sweep's per-sweep limit is {retention.SWEEP_PURGE_LIMIT:,} rows.",
+        "",
+        "| measure | " + " | ".join(r["name"] for r in results) + " | target |",
+        "| --- | " + " | ".join("---" for _ in results) + " | --- |",
+    ]
+
+    def row(label: str, key: str, fmt: str, target: str = "") -> None:
+        cells = [fmt.format(r[key]) for r in results]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {target} |")
+
+    row("bulk load (s)", "fill_s", "{:.1f}")
+    row("sweep, nothing due (ms)", "sweep_idle_ms", "{:.1f}", "<= 50 ms")
+    row("sweep deleting one batch (ms)", "sweep_batch_ms", "{:.1f}", "<= 50 ms")
+    row("sweep at its limit (ms)", "sweep_full_ms", "{:.1f}")
+    row("rows deleted by that sweep", "sweep_full_rows", "{:,}")
+    row("purge batch (ms)", "batch_ms", "{:.1f}")
+    row("purge rows/s (one batch)", "batch_rows_s", "{:,.0f}")
+    row("`lease stats` (ms)", "stats_ms", "{:.1f}")
+    row("`lease purge --dry-run` count (ms)", "count_ms", "{:.1f}")
+    row("plans with a seq scan of the table", "seq_scans", "{}", "0")
+    for r in results:
+        lat = r["latency"]
+        idle, during = lat["idle"], lat["during"]
+        r["p50_idle"], r["p50_during"] = _pct(idle, 0.5), _pct(during, 0.5)
+        r["ratio"] = r["p50_during"] / r["p50_idle"] if idle and during else float("nan")
+        r["lat_idle"] = f"{_pct(idle, 0.5):.2f} / {_pct(idle, 0.95):.2f} / {_pct(idle, 0.99):.2f}"
+        r["lat_during"] = (
+            f"{_pct(during, 0.5):.2f} / {_pct(during, 0.95):.2f} / {_pct(during, 0.99):.2f}"
+        )
+        r["claims"] = f"{len(idle)} / {len(during)}"
+        r["purge_rate"] = lat["purged"] / max(lat["purge_seconds"], 1e-9)
+        r["purged"] = lat["purged"]
+    row("claim ms idle, p50 / p95 / p99", "lat_idle", "{}")
+    row("claim ms during purge, p50 / p95 / p99", "lat_during", "{}")
+    row("claim p50 during / idle", "ratio", "{:.2f}", "<= 2")
+    row("claims measured idle / during", "claims", "{}")
+    row("rows the concurrent purge deleted", "purged", "{:,}")
+    row("its rows/s (claims running)", "purge_rate", "{:,.0f}")
+    for r in results:
+        lines += ["", f"### Plans on {r['name']}", ""]
+        for statement, plan in r["plans"]:
+            lines += ["```", " ".join(statement.split()), "--", plan, "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def kept_section(page: str) -> str:
+    """The retention section of an existing ``docs/benchmarks.md`` (run_all keeps it)."""
+    if BEGIN in page and END in page:
+        return page[page.index(BEGIN) : page.index(END) + len(END)]
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.retention", description=__doc__)
+    parser.add_argument("--finished", type=int, default=1_000_000)
+    parser.add_argument("--live", type=int, default=10_000)
+    parser.add_argument("--claims", type=int, default=2000)
+    parser.add_argument("--backend", choices=("pg", "sqlite", "both"), default="both")
+    args = parser.parse_args(argv)
+    results: list[dict[str, Any]] = []
+    if args.backend in ("sqlite", "both"):
+        with tempfile.TemporaryDirectory() as folder:
+            url = f"sqlite:///{Path(folder) / 'leases.sqlite3'}"
+            results.append(run_backend("SQLite", url, args.finished, args.live, args.claims))
+    if args.backend in ("pg", "both"):
+        admin = pg_admin_url()
+        if not admin:
+            raise SystemExit("set CELERY_LEASE_BENCH_PG_URL (or CELERY_LEASE_TEST_PG_URL)")
+        check_loopback(admin)
+        with scratch_database(admin, prefix="clbench_") as url:
+            results.append(run_backend("PostgreSQL", url, args.finished, args.live, args.claims))
+    print(report(results, args.finished, args.live), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    raise SystemExit(main())
