@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import event, text
+from sqlalchemy import create_engine, event, text
 
 from celery_lease import retention
 from celery_lease.migrations import upgrade
@@ -98,14 +98,15 @@ def _live_select(series: str, now: int) -> str:
     )
 
 
-def fill(store: LeaseStore, finished: int, live: int) -> float:
+def fill(store: LeaseStore, url: str, finished: int, live: int) -> float:
     """Bulk-load the rows; seconds taken."""
     now = store.now_ms()
     started = time.perf_counter()
     if store.dialect == "postgresql":
         series = "generate_series(1, {n}) AS s(g)"
-        with store.engine.begin() as conn:
-            conn.execute(text("SET LOCAL statement_timeout = 0"))
+        # A plain engine: the lease engine's waits are bounded for lease traffic.
+        engine = create_engine(url)
+        with engine.begin() as conn:
             conn.execute(
                 text(
                     f"INSERT INTO celery_lease_runs ({COLUMNS}) "
@@ -118,9 +119,9 @@ def fill(store: LeaseStore, finished: int, live: int) -> float:
                     + _live_select(series.format(n=live), now)
                 )
             )
-        with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(text("SET statement_timeout = 0"))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text("VACUUM ANALYZE celery_lease_runs"))
+        engine.dispose()
     else:
         raw = store.engine.raw_connection()
         try:
@@ -249,7 +250,7 @@ def run_backend(name: str, url: str, finished: int, live: int, claims: int) -> d
     """Every measurement on one database; the figures and the plans."""
     upgrade(url)
     store = LeaseStore.from_url(url)
-    fill_s = fill(store, finished, live)
+    fill_s = fill(store, url, finished, live)
     out: dict[str, Any] = {"name": name, "fill_s": fill_s, "plans": []}
     week_ms = round(RETENTION_S * 1000)
 
