@@ -1572,7 +1572,9 @@ class LeaseStore:
         rows are read ``FOR UPDATE SKIP LOCKED``: a row locked by a stalled
         transaction is skipped this time, never waited for.
         """
-        now = db_now_ms()
+        # A scalar subquery is an index bound; the volatile clock itself would be
+        # a filter evaluated on every running row.
+        now = select(db_now_ms()).scalar_subquery()
         query = (
             select(runs)
             .where(runs.c.status == RUNNING, runs.c.lease_expires_at <= now)

@@ -3,8 +3,11 @@ and the stored message of a run cleared on every path that ends it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from celery_lease.store import LeaseStore
 from celery_lease.sweeper import sweep
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import wait_for
+from tests.test_cli import Cli
 
 HOUR_MS = 3_600_000
 MESSAGE = b'{"args": [1], "kwargs": {}, "options": {}}'
@@ -425,3 +429,77 @@ def test_duplicate_after_its_row_is_purged_runs_again(cluster: Cluster) -> None:
     cluster.send("keyed", 9)
     wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the run again")
     assert len(cluster.effects(run_id, "start")) == 2
+
+
+# -- celery lease purge / show (real subprocesses) --------------------------------
+
+
+@pytest.fixture
+def cli(db_url: str, tmp_path: Path) -> Iterator[tuple[Cli, LeaseStore]]:
+    """The ``celery lease`` command on a migrated database, and a store on it."""
+    runner = Cli(db_url, tmp_path)
+    upgrade(db_url)
+    lease_store = LeaseStore.from_url(db_url)
+    yield runner, lease_store
+    lease_store.dispose()
+
+
+def _usage_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 2 (click's usage error), the reason on stderr, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    flat = " ".join(proc.stderr.split())
+    for needle in needles:
+        assert needle in flat, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_purge_cli_dry_run_status_filter_and_output(cli: tuple[Cli, LeaseStore]) -> None:
+    """--dry-run counts and deletes nothing; --status limits; the output counts per status."""
+    run, store = cli
+    for i in range(3):
+        _finish(store, f"s{i}", "succeeded")
+        _age(store, f"s{i}", 48 * HOUR_MS)
+    _finish(store, "f0", "failed")
+    _age(store, "f0", 48 * HOUR_MS)
+    _finish(store, "young", "succeeded")
+    _claim(store, "live")
+    dry = run.ok("purge", "--older-than", "1d", "--dry-run")
+    assert "would delete 4 finished runs" in dry and "succeeded 3, failed 1, cancelled 0" in dry
+    assert store.get("s0") is not None
+    only_failed = json.loads(run.ok("purge", "--older-than", "1d", "--status", "failed", "--json"))
+    assert only_failed["removed"] == {"failed": 1} and not only_failed["dry_run"]
+    assert store.get("f0") is None and store.get("s0") is not None
+    out = run.ok("purge", "--older-than", "24h", "--batch", "2")
+    assert "deleted 3 finished runs that finished before" in out
+    assert "succeeded 3, failed 0, cancelled 0" in out
+    assert store.get("young") is not None and store.get("live") is not None
+    assert "deleted 0 finished runs" in run.ok("purge", "--older-than", "1d")
+
+
+@pytest.mark.timeout(120)
+def test_purge_cli_refuses_bad_input_clearly(cli: tuple[Cli, LeaseStore]) -> None:
+    """A bad duration, a live status, a missing age: usage errors naming the problem."""
+    run, _ = cli
+    _usage_error(run("purge", "--older-than", "7x"), "'7x' is not a duration", "7d")
+    _usage_error(run("purge", "--older-than", "0s"), "more than zero")
+    _usage_error(
+        run("purge", "--older-than", "7d", "--status", "running"),
+        "running is live: only finished runs (succeeded, failed, cancelled) can be purged",
+    )
+    _usage_error(run("purge", "--older-than", "7d", "--status", "done"), "'done' is not one of")
+    _usage_error(run("purge"), "Missing option '--older-than'")
+    _usage_error(run("purge", "--older-than", "7d", "--batch", "0"), "--batch")
+
+
+@pytest.mark.timeout(120)
+def test_show_says_a_finished_runs_arguments_were_cleared(cli: tuple[Cli, LeaseStore]) -> None:
+    """`lease show` of a finished run says its payload was cleared, not a bare '-'."""
+    run, store = cli
+    _finish(store, "done", "succeeded")
+    _claim(store, "live")
+    assert "payload" in run.ok("show", "done")
+    line = next(x for x in run.ok("show", "done").splitlines() if x.startswith("payload "))
+    assert "cleared (run finished" in line
+    live = next(x for x in run.ok("show", "live").splitlines() if x.startswith("payload "))
+    assert "bytes (use --payload to print)" in live
