@@ -551,7 +551,8 @@ def _status_counts(removed: dict[str, int]) -> str:
     "statuses",
     type=click.Choice(STATUSES),
     multiple=True,
-    help="Only this finished status (repeatable; default: succeeded, failed, cancelled).",
+    metavar="STATUS",
+    help="Only this finished status: succeeded, failed or cancelled (repeatable; default: all).",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
 @click.option(
