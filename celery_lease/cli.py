@@ -562,6 +562,12 @@ def _status_counts(removed: dict[str, int]) -> str:
     show_default=True,
     help="Rows per delete statement (each its own short transaction).",
 )
+@click.option(
+    "--throttle/--no-throttle",
+    default=True,
+    show_default=True,
+    help="Pause after each batch as long as it took, so claims keep their latency.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
 @_operator_errors
@@ -571,6 +577,7 @@ def purge(
     statuses: tuple[str, ...],
     dry_run: bool,
     batch: int,
+    throttle: bool,
     as_json: bool,
 ) -> None:
     """Delete finished runs older than --older-than, in batches; print what was removed.
@@ -595,7 +602,12 @@ def purge(
         report = retention.count(store, older_than, wanted)
     else:
         report = retention.purge(
-            store, older_than, statuses=wanted, batch=batch, progress=_Progress(as_json)
+            store,
+            older_than,
+            statuses=wanted,
+            batch=batch,
+            progress=_Progress(as_json),
+            throttle=throttle,
         )
     removed = {status: report.removed[status] for status in retention.FINISHED if status in wanted}
     if as_json:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from .errors import LeaseError
@@ -51,12 +52,16 @@ def purge(
     batch: int = PURGE_BATCH,
     limit: int | None = None,
     progress: Callable[[PurgeReport], None] | None = None,
+    throttle: bool = False,
 ) -> PurgeReport:
     """Delete rows of ``statuses`` finished more than ``older_than`` seconds ago (DB clock).
 
     One batch of at most ``batch`` rows per status in turn, until every status
     comes back short of a full batch, or ``limit`` rows are gone. ``progress``
-    is called after each batch. Live rows are never touched.
+    is called after each batch. Live rows are never touched. With ``throttle``
+    each batch is followed by a pause as long as the batch took, so a long
+    purge spends at most half its time in the database and claims keep their
+    latency.
 
     Raises:
         ValueError: a status that is not finished, or a bad age, batch or limit.
@@ -76,7 +81,10 @@ def purge(
             size = batch if limit is None else min(batch, limit - report.total)
             if size < 1:
                 return report
+            started = time.monotonic()
             removed = store.purge_finished(status, older_than_ms, size)
+            if throttle:
+                time.sleep(time.monotonic() - started)
             report.removed[status] += removed
             report.batches += 1
             if removed < size:
