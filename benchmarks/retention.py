@@ -21,9 +21,11 @@ Measured, each the median of several calls unless said otherwise:
   limit (10 batches);
 - one purge batch (``LeaseStore.purge_finished``, 1,000 rows): ms and rows/s;
 - ``celery lease stats`` (``LeaseStore.stats``) and a dry-run count;
-- a claim's latency (new run id, ``LeaseStore.claim``) while idle and while a
-  ``celery lease purge`` of every due row runs in another process, measured in
-  alternating blocks in one run; p50/p95/p99 and the p50 ratio.
+- a claim's latency (new run id, ``LeaseStore.claim``) while another process
+  purges every due row, in blocks of 100 claims alternating with blocks where
+  that purge is paused between batches (idle); p50/p95/p99 and the p50 ratio,
+  for ``celery lease purge`` as it runs by default (throttled) and with
+  ``--no-throttle``.
 
 The statements are captured as the store sends them (SQLAlchemy's
 ``before_cursor_execute``) and printed with ``EXPLAIN`` (PostgreSQL: ``EXPLAIN
@@ -204,10 +206,13 @@ def _app(url: str, retention_s: float) -> Celery:
     return app
 
 
-def _purger(url: str, done: Any, older_than: float, throttle: bool) -> None:
-    """A forked ``celery lease purge --older-than ...``: every due row, in batches."""
+def _purger(url: str, done: Any, older_than: float, throttle: bool, go: Any) -> None:
+    """A forked ``celery lease purge --older-than ...``: every due row, in batches.
+
+    Between batches it waits while ``go`` is clear: the parent's idle blocks.
+    """
     store = LeaseStore.from_url(url)
-    report = retention.purge(store, older_than, throttle=throttle)
+    report = retention.purge(store, older_than, throttle=throttle, progress=lambda _: go.wait())
     done.put(report.total)
     store.dispose()
 
@@ -234,34 +239,50 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def claim_latency(store: LeaseStore, url: str, claims: int) -> dict[str, Any]:
-    """Claims idle (before and after) and while a purge runs in another process.
+    """Claims while a purge runs in another process, and idle, in alternating blocks.
 
-    Two purges, one after the other: ``--no-throttle`` over the rows older than
-    10.5 days, then the default (throttled) one over the rest of the due rows.
+    Blocks of 100 claims alternate between the purge running and the purge
+    paused between two batches, so load from elsewhere on the machine falls on
+    both sides alike. Two purges, one after the other: ``--no-throttle`` over
+    the rows older than 10.5 days, then the default (throttled) one over the
+    rest of the due rows.
     """
     _claims(store, 200)  # warm: connections, prepared statements
-    idle = _claims(store, claims // 2)
+    block = 100
     out: dict[str, Any] = {}
     for label, older_than, throttle in (
         ("fast", 1.5 * RETENTION_S, False),
         ("throttled", RETENTION_S, True),
     ):
         ctx = multiprocessing.get_context("fork")
-        done = ctx.Queue()
+        done, go = ctx.Queue(), ctx.Event()
         store.dispose()  # the child must not share pooled connections
-        child = ctx.Process(target=_purger, args=(url, done, older_than, throttle))
-        started = time.perf_counter()
+        child = ctx.Process(target=_purger, args=(url, done, older_than, throttle, go))
+        go.set()
         child.start()
         time.sleep(0.3)  # the purge is under way
-        during = _claims(store, claims, child.is_alive)
+        idle: list[float] = []
+        during: list[float] = []
+        busy = 0.0
+        while child.is_alive() and len(during) < claims:
+            go.set()
+            started = time.perf_counter()
+            during += _claims(store, block, child.is_alive)
+            busy += time.perf_counter() - started
+            go.clear()
+            time.sleep(0.1)  # the batch in flight ends; the purge waits
+            idle += _claims(store, block)
+        started = time.perf_counter()
+        go.set()  # the rest of the purge, unmeasured claims aside
         child.join(900)
+        busy += time.perf_counter() - started
         out[label] = {
+            "idle": idle,
             "during": during,
             "purged": done.get(timeout=10),
-            "purge_seconds": time.perf_counter() - started,
+            "purge_seconds": busy,
         }
-    idle += _claims(store, claims - len(idle))
-    return {"idle": idle, **out}
+    return out
 
 
 def run_backend(name: str, url: str, finished: int, live: int, claims: int) -> dict[str, Any]:
@@ -327,27 +348,27 @@ def report(results: list[dict[str, Any]], finished: int, live: int) -> str:
     row("plans with a seq scan of the table", "seq_scans", "{}", "0")
     for r in results:
         lat = r["latency"]
-        idle = lat["idle"]
-        r["lat_idle"] = _lat(idle)
         for label in ("throttled", "fast"):
-            during = lat[label]["during"]
+            idle, during = lat[label]["idle"], lat[label]["during"]
+            r[f"{label}_idle"] = _lat(idle)
             r[f"{label}_lat"] = _lat(during)
             r[f"{label}_ratio"] = _pct(during, 0.5) / _pct(idle, 0.5) if idle and during else 0.0
             r[f"{label}_claims"] = len(during)
             r[f"{label}_purged"] = lat[label]["purged"]
             r[f"{label}_rate"] = lat[label]["purged"] / max(lat[label]["purge_seconds"], 1e-9)
         r["ratio"] = r["throttled_ratio"]
-    row("claim ms idle, p50 / p95 / p99", "lat_idle", "{}")
-    row("claim ms during `lease purge`, p50 / p95 / p99", "throttled_lat", "{}")
+    row("`lease purge`: claim ms idle, p50 / p95 / p99", "throttled_idle", "{}")
+    row("`lease purge`: claim ms during, p50 / p95 / p99", "throttled_lat", "{}")
     row("claim p50 during `lease purge` / idle", "throttled_ratio", "{:.2f}", "<= 2")
     row("claims measured during it", "throttled_claims", "{}")
     row("rows that purge deleted", "throttled_purged", "{:,}")
-    row("its rows/s (claims running)", "throttled_rate", "{:,.0f}")
-    row("claim ms during `--no-throttle`, p50 / p95 / p99", "fast_lat", "{}")
+    row("its rows/s while running", "throttled_rate", "{:,.0f}")
+    row("`--no-throttle`: claim ms idle, p50 / p95 / p99", "fast_idle", "{}")
+    row("`--no-throttle`: claim ms during, p50 / p95 / p99", "fast_lat", "{}")
     row("claim p50 during `--no-throttle` / idle", "fast_ratio", "{:.2f}")
     row("claims measured during it", "fast_claims", "{}")
     row("rows that purge deleted", "fast_purged", "{:,}")
-    row("its rows/s (claims running)", "fast_rate", "{:,.0f}")
+    row("its rows/s while running", "fast_rate", "{:,.0f}")
     for r in results:
         lines += ["", f"### Plans on {r['name']}", ""]
         for statement, plan in r["plans"]:
@@ -386,10 +407,11 @@ def section(body: str, results: list[dict[str, Any]], command: str, settings: st
         f"{settings}. SQLite: the lease store's own settings (`journal_mode = WAL`, "
         "`synchronous = NORMAL`), no `ANALYZE`. What each row measures is in "
         "`benchmarks/retention.py`'s docstring: sweeps and `stats` are medians of 3 to 5 "
-        "calls; the claim latencies are up to 2,000 claims each: idle (half before, half "
-        "after), and while another process purges, first with `--no-throttle` (rows older "
-        "than 10.5 days), then as `celery lease purge` does by default (the rest of the due "
-        "rows; it pauses after each batch as long as the batch took).",
+        "calls. Claim latency: another process purges, first with `--no-throttle` (rows "
+        "older than 10.5 days), then as `celery lease purge` does by default (the rest of "
+        "the due rows; it pauses after each batch as long as the batch took); blocks of "
+        "100 claims alternate between the purge running and the purge paused between two "
+        "batches (*idle*), so the machine's other load falls on both alike.",
         "",
         *verdicts(results),
         "",
@@ -401,16 +423,27 @@ def section(body: str, results: list[dict[str, Any]], command: str, settings: st
         "scan, not the table): about 60 to 80 ms per million rows, which retention is what "
         "bounds; its other statements read live rows and recent failures only.",
         "",
-        "Plans (the statements as the store sends them; PostgreSQL `EXPLAIN (ANALYZE, "
-        "BUFFERS)` rolled back, SQLite `EXPLAIN QUERY PLAN`):",
+        "Plans of the statements one sweep, one purge batch, a dry-run count and `lease "
+        "stats` send, as the store sends them (PostgreSQL `EXPLAIN (ANALYZE, BUFFERS)` "
+        "rolled back, SQLite `EXPLAIN QUERY PLAN`; the column list of `SELECT *` shortened):",
         "",
-        "<details><summary>plans</summary>",
-        "",
-        "### Plans" + body.split("\n### Plans", 1)[1] if "\n### Plans" in body else "",
-        "</details>",
+        _short("### Plans" + body.split("\n### Plans", 1)[1]) if "\n### Plans" in body else "",
         END,
     ]
     return "\n".join(parts)
+
+
+ALL_COLUMNS = re.compile(
+    r"SELECT celery_lease_runs\.id, (?:celery_lease_runs\.\w+, )+"
+    r"celery_lease_runs\.updated_at FROM"
+)
+
+
+def _short(text_: str) -> str:
+    """Plans with ``SELECT <every column>`` written ``SELECT celery_lease_runs.*``."""
+    return ALL_COLUMNS.sub("SELECT celery_lease_runs.* FROM", text_).replace(
+        "### Plans on", "#### Plans on"
+    )
 
 
 def write_section(text_: str) -> None:

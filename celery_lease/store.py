@@ -1811,10 +1811,16 @@ class LeaseStore:
         )
         if self.dialect not in ("mysql", "mariadb"):
             # The rows are locked (PostgreSQL) or the writer is alone (SQLite) and
-            # were picked by the guard; no second filter, which would let the
-            # planner scan the table instead of probing the primary key.
+            # were picked by the guard: no second filter. PostgreSQL gets
+            # id = ANY(ARRAY(...)), an index condition on the primary key; with
+            # IN (...) its planner may hash-join against a scan of the table.
+            picked: Any = (
+                runs.c.id == func.any(func.array(oldest.scalar_subquery()))
+                if self.dialect == "postgresql"
+                else runs.c.id.in_(oldest)
+            )
             with self._auto.connect() as conn:
-                return int(conn.execute(delete(runs).where(runs.c.id.in_(oldest))).rowcount)
+                return int(conn.execute(delete(runs).where(picked)).rowcount)
         # MySQL refuses LIMIT in an IN subquery: pick, then delete, in one transaction.
         with self.engine.begin() as conn:
             ids = list(conn.execute(oldest).scalars())
