@@ -623,9 +623,10 @@ def purge(
         )
         return
     verb = "would delete" if dry_run else "deleted"
+    total = sum(removed.values())
     click.echo(
-        f"{verb} {sum(removed.values())} finished runs that finished before {cutoff} "
-        f"({_status_counts(removed)})"
+        f"{verb} {total} finished run{'' if total == 1 else 's'} that finished before "
+        f"{cutoff} ({_status_counts(removed)})"
     )
 
 
