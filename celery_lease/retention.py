@@ -67,8 +67,9 @@ def purge(
         ValueError: a status that is not finished, or a bad age, batch or limit.
         LeaseDatabaseError: a batch failed; the batches before it stay deleted.
     """
-    wanted = [s for s in FINISHED if s in set(statuses)]
-    unknown = set(statuses) - set(FINISHED)
+    chosen = set(statuses)
+    wanted = [s for s in FINISHED if s in chosen]
+    unknown = chosen - set(FINISHED)
     if unknown:
         raise ValueError(f"only finished runs can be purged, not {sorted(unknown)}")
     if batch < 1 or (limit is not None and limit < 1):
@@ -83,7 +84,7 @@ def purge(
                 return report
             started = time.monotonic()
             removed = store.purge_finished(status, older_than_ms, size)
-            if throttle:
+            if throttle and removed == size:  # more to come: leave the database be a while
                 time.sleep(time.monotonic() - started)
             report.removed[status] += removed
             report.batches += 1
@@ -97,8 +98,9 @@ def purge(
 def count(store: LeaseStore, older_than: float, statuses: Iterable[str] = FINISHED) -> PurgeReport:
     """What :func:`purge` would delete now, per status; read only."""
     report = PurgeReport()
+    chosen = set(statuses)
     for status in FINISHED:
-        if status in set(statuses):
+        if status in chosen:
             report.removed[status] = store.count_finished(status, round(older_than * 1000))
     return report
 
