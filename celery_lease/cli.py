@@ -208,6 +208,8 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
     if data["last_error"] is not None:
         data["last_error"] = sanitize(data["last_error"])
     data["payload_bytes"] = None if record.payload is None else len(record.payload)
+    # A finished run's arguments are cleared when it ends (they are often personal data).
+    data["payload_cleared"] = record.terminal and record.payload is None
     data["lease_left_ms"] = (
         record.lease_expires_at - now
         if record.status == RUNNING and record.lease_expires_at is not None

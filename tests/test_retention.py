@@ -503,3 +503,5 @@ def test_show_says_a_finished_runs_arguments_were_cleared(cli: tuple[Cli, LeaseS
     assert "cleared (run finished" in line
     live = next(x for x in run.ok("show", "live").splitlines() if x.startswith("payload "))
     assert "bytes (use --payload to print)" in live
+    assert json.loads(run.ok("show", "done", "--json"))["payload_cleared"] is True
+    assert json.loads(run.ok("show", "live", "--json"))["payload_cleared"] is False
