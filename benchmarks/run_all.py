@@ -29,7 +29,7 @@ from sqlalchemy import create_engine, text
 
 from tests.helpers import scratch_database
 
-from . import contention, sql, takeover, throughput
+from . import contention, retention, sql, takeover, throughput
 from .common import REPO, check_loopback, pg_admin_url, pgbouncer_url, redis_url
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -203,6 +203,9 @@ def render(
         "minutes). *Claims/s* counts every call, won or refused.",
         "",
         sections.get("contention", "(not run)"),
+        "",
+        # Measured apart (python -m benchmarks.retention, a million rows): kept as it is.
+        retention.kept_section(DOC.read_text() if DOC.exists() else ""),
         "",
         ANALYSIS,
     ]

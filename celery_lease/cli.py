@@ -38,8 +38,9 @@ from .schema import (
     STATUSES,
     SUCCEEDED,
     TABLE_NAME,
+    TERMINAL_STATUSES,
 )
-from .store import LeaseStore, RunNotFound, RunNotRerunnable, RunRecord
+from .store import PURGE_BATCH, LeaseStore, RunNotFound, RunNotRerunnable, RunRecord
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -217,6 +218,8 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
     if data["last_error"] is not None:
         data["last_error"] = sanitize(data["last_error"])
     data["payload_bytes"] = None if record.payload is None else len(record.payload)
+    # A finished run's arguments are cleared when it ends (they are often personal data).
+    data["payload_cleared"] = record.terminal and record.payload is None
     data["lease_left_ms"] = (
         record.lease_expires_at - now
         if record.status == RUNNING and record.lease_expires_at is not None
@@ -337,14 +340,22 @@ def show(ctx: click.Context, run_id: str, as_json: bool, show_payload: bool) -> 
             text = "-" if value is None else str(value)
         lines.append((name, text))
     lines.insert(5, ("lease_left", lease_left(record, now)))
-    size = data["payload_bytes"]
-    lines.append(("payload", "-" if size is None else f"{size} bytes (use --payload to print)"))
+    lines.append(("payload", _payload_text(record, data["payload_bytes"])))
     if "payload" in data:
         lines[-1] = ("payload", str(data["payload"]))
     lines.append(("db_now", format_time(now)))
     width = max(len(name) for name, _ in lines)
     for name, text in lines:
         click.echo(f"{name.ljust(width)}  {text}")
+
+
+def _payload_text(record: RunRecord, size: int | None) -> str:
+    """What ``show`` says about the stored message."""
+    if size is not None:
+        return f"{size} bytes (use --payload to print)"
+    if record.terminal:
+        return "cleared (run finished: its arguments are not kept)"
+    return "- (none stored: a direct call or eager apply(), never sent to workers)"
 
 
 @lease.command()
@@ -383,8 +394,9 @@ def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
         "cancelled": list(report.cancelled),
         "errors": list(getattr(report, "errors", [])),
     }
+    purged = {status: n for status, n in report.purged.items() if n}
     if as_json:
-        _echo_json(data)
+        _echo_json({**data, "purged": purged})
     else:
         labels = {
             "requeued": "re-enqueued (retrying)",
@@ -392,8 +404,11 @@ def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
             "cancelled": "cancelled (cancel was requested)",
             "errors": "could not be re-enqueued",
         }
-        if not any(data.values()):
+        if not any(data.values()) and not purged:
             click.echo("nothing to sweep")
+        if purged:
+            counts = ", ".join(f"{status} {n}" for status, n in purged.items())
+            click.echo(f"deleted (finished, older than lease_retention): {counts}")
         for key, ids in data.items():
             if ids:
                 click.echo(f"{labels[key]}: {len(ids)}")
@@ -752,3 +767,162 @@ def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
         if tty:
             out.write(_CURSOR_ON + _ALT_OFF)
             out.flush()
+
+
+# -- retention -------------------------------------------------------------------
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """``--older-than`` in seconds: ``90s``, ``15m``, ``12h``, ``7d``, ``1d12h``, ``3600``."""
+    seconds = _parse_duration(value.strip().lower())
+    if seconds is None:
+        raise click.BadParameter(
+            f"{value!r} is not a duration: use a number with a unit, e.g. 90s, 15m, 12h, 7d, "
+            "2w or 1d12h (a bare number is seconds)"
+        )
+    if not seconds > 0:
+        raise click.BadParameter(f"{value!r}: the age must be more than zero")
+    return seconds
+
+
+def _parse_duration(text: str) -> float | None:
+    """Seconds in ``text`` (``7d``, ``1d12h``, ``3600``), or None when it is not a duration."""
+    try:
+        return float(text) if text and text.replace(".", "", 1).isdigit() else _units(text)
+    except ValueError:
+        return None
+
+
+def _units(text: str) -> float | None:
+    total, number = 0.0, ""
+    for char in text:
+        if char.isdigit() or char == ".":
+            number += char
+        elif char in _DURATION_UNITS and number:
+            total += float(number) * _DURATION_UNITS[char]
+            number = ""
+        else:
+            return None
+    return None if number or not text else total
+
+
+def _status_counts(removed: dict[str, int]) -> str:
+    return ", ".join(f"{status} {n}" for status, n in removed.items())
+
+
+@lease.command()
+@click.option(
+    "--older-than",
+    "older_than",
+    callback=_duration,
+    required=True,
+    metavar="AGE",
+    help="Only runs that finished longer ago than this (e.g. 7d, 12h, 90m; DB clock).",
+)
+@click.option(
+    "--status",
+    "statuses",
+    type=click.Choice(STATUSES),
+    multiple=True,
+    metavar="STATUS",
+    help="Only this finished status: succeeded, failed or cancelled (repeatable; default: all).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1, max=100_000),
+    default=PURGE_BATCH,
+    show_default=True,
+    help="Rows per delete statement (each its own short transaction).",
+)
+@click.option(
+    "--throttle/--no-throttle",
+    default=True,
+    show_default=True,
+    help="Pause after each batch as long as it took, so claims keep their latency.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@click.pass_context
+@_operator_errors
+def purge(
+    ctx: click.Context,
+    older_than: float,
+    statuses: tuple[str, ...],
+    dry_run: bool,
+    batch: int,
+    throttle: bool,
+    as_json: bool,
+) -> None:
+    """Delete finished runs older than --older-than, in batches; print what was removed.
+
+    Live runs (queued, running, retrying) are never deleted. A duplicate
+    delivery of a run whose row is gone runs again, as after lease_retention.
+    """
+    from . import retention
+
+    live = [s for s in statuses if s not in TERMINAL_STATUSES]
+    if live:
+        raise click.BadParameter(
+            f"{', '.join(live)} {'is' if len(live) == 1 else 'are'} live: only finished runs "
+            f"({', '.join(retention.FINISHED)}) can be purged; cancel a live run first",
+            param_hint="'--status'",
+        )
+    wanted = statuses or retention.FINISHED
+    store = _open_store(ctx)
+    now = store.now_ms()
+    cutoff = format_time(now - round(older_than * 1000))
+    if dry_run:
+        report = retention.count(store, older_than, wanted)
+    else:
+        report = retention.purge(
+            store,
+            older_than,
+            statuses=wanted,
+            batch=batch,
+            progress=_Progress(as_json),
+            throttle=throttle,
+        )
+    removed = {status: report.removed[status] for status in retention.FINISHED if status in wanted}
+    if as_json:
+        _echo_json(
+            {
+                "dry_run": dry_run,
+                "older_than_seconds": older_than,
+                "finished_before": now - round(older_than * 1000),
+                "removed": removed,
+                "total": sum(removed.values()),
+                "batches": report.batches,
+            }
+        )
+        return
+    verb = "would delete" if dry_run else "deleted"
+    total = sum(removed.values())
+    click.echo(
+        f"{verb} {total} finished run{'' if total == 1 else 's'} that finished before "
+        f"{cutoff} ({_status_counts(removed)})"
+    )
+
+
+class _Progress:
+    """A progress line on stderr every few seconds of a long purge."""
+
+    EVERY = 2.0
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.started = time.monotonic()
+        self.shown = self.started
+
+    def __call__(self, report: Any) -> None:
+        now = time.monotonic()
+        if self.quiet or now - self.shown < self.EVERY:
+            return
+        self.shown = now
+        rate = report.total / max(now - self.started, 1e-9)
+        click.echo(
+            f"... {report.total} deleted so far ({_status_counts(report.removed)}), "
+            f"{rate:.0f} rows/s",
+            err=True,
+        )

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 from celery import Celery
@@ -34,6 +36,10 @@ MAX_BACKOFF_SECONDS = DAY
 MAX_SWEEP_INTERVAL = DAY
 MAX_ATTEMPTS = 10_000
 MAX_CONCURRENCY = 100_000
+#: ``lease_retention`` when unset: a week of finished rows (see the settings docs).
+DEFAULT_RETENTION_SECONDS = 7 * DAY
+#: Ten years: a week given in milliseconds (19 years) is caught as a unit mistake.
+MAX_RETENTION_SECONDS = 3650 * DAY
 
 KeyFunc = Callable[..., Any]
 
@@ -86,6 +92,8 @@ class LeaseConfig:
     concurrency_key: KeyFunc | None = None
     max_concurrency: int | None = None
     sweep_interval: float = 60.0
+    #: Seconds a finished run's row is kept (the de-duplication window); None: forever.
+    retention: float | None = DEFAULT_RETENTION_SECONDS
 
     @property
     def lease_ms(self) -> int:
@@ -132,6 +140,7 @@ class LeaseConfig:
             concurrency_key=_callable(conf, "lease_concurrency_key"),
             max_concurrency=max_concurrency,
             sweep_interval=_positive(conf, "lease_sweep_interval", 60.0, MAX_SWEEP_INTERVAL),
+            retention=_retention(conf),
         )
 
     @classmethod
@@ -171,12 +180,47 @@ class LeaseConfig:
             "lease_concurrency_key": self.concurrency_key,
             "lease_max_concurrency": self.max_concurrency,
             "lease_sweep_interval": self.sweep_interval,
+            "lease_retention": self.retention,
         }
+
+
+_UNSET = object()
 
 
 def _app_settings(app: Celery) -> dict[str, Any]:
     conf = app.conf
-    return {name: conf.get(name) for name in SETTING_NAMES if conf.get(name) is not None}
+    settings = {name: conf.get(name) for name in SETTING_NAMES if conf.get(name) is not None}
+    # None is a value here (keep finished rows forever), not "unset".
+    retention = conf.get("lease_retention", _UNSET)
+    if retention is not _UNSET:
+        settings["lease_retention"] = retention
+    return settings
+
+
+def _retention(conf: Mapping[str, Any]) -> float | None:
+    """``lease_retention`` in seconds: a number or a timedelta; None (given) keeps rows forever."""
+    if "lease_retention" not in conf:
+        return DEFAULT_RETENTION_SECONDS
+    value = conf["lease_retention"]
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ImproperlyConfigured(
+            f"lease_retention must be a number of seconds, a timedelta or None, got {value!r}"
+        )
+    seconds = float(value)
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise ImproperlyConfigured(
+            f"lease_retention must be positive and finite (None keeps rows forever), got {value!r}"
+        )
+    if seconds > MAX_RETENTION_SECONDS:
+        raise ImproperlyConfigured(
+            f"lease_retention must be at most {MAX_RETENTION_SECONDS:g} seconds (10 years; "
+            f"None keeps rows forever), got {value!r}"
+        )
+    return seconds
 
 
 def _number(conf: Mapping[str, Any], key: str, default: float) -> float:

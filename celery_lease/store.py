@@ -30,6 +30,7 @@ from sqlalchemy import (
     bindparam,
     case,
     create_engine,
+    delete,
     event,
     func,
     insert,
@@ -72,6 +73,9 @@ SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
 CLAIM_CONTENTION_TRIES = 8
 
 ClaimOutcome = Literal["claimed", "busy", "finished"]
+
+#: Rows one retention statement deletes at most: a short transaction on every dialect.
+PURGE_BATCH = 1000
 
 #: A terminal run keeps no stored message: task arguments are often personal data.
 _CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
@@ -752,8 +756,11 @@ class LeaseStore:
 
     @_db_errors
     def create_schema(self) -> None:
-        """Create the runs table if missing (the embedded default; elsewhere use migrations)."""
+        """Create the runs table and any index it lacks (the embedded default; else migrate)."""
         metadata.create_all(self.engine, checkfirst=True)
+        # A table an earlier version made lacks the indexes added since.
+        for index in runs.indexes:
+            index.create(self.engine, checkfirst=True)
 
     @_db_errors
     def has_schema(self) -> bool:
@@ -1188,7 +1195,7 @@ class LeaseStore:
             "lease_expires_at": now,
             "finished_at": now,
             "updated_at": now,
-            "payload": None,
+            **_CLEARED_MESSAGE,
         }
         stmt = (
             update(runs)
@@ -1580,7 +1587,9 @@ class LeaseStore:
         rows are read ``FOR UPDATE SKIP LOCKED``: a row locked by a stalled
         transaction is skipped this time, never waited for.
         """
-        now = db_now_ms()
+        # A scalar subquery is an index bound; the volatile clock itself would be
+        # a filter evaluated on every running row.
+        now = select(db_now_ms()).scalar_subquery()
         query = (
             select(runs)
             .where(runs.c.status == RUNNING, runs.c.lease_expires_at <= now)
@@ -1782,6 +1791,66 @@ class LeaseStore:
             return self.cancel(run_id, task_id=task_id)  # it changed status between statements
         return str(status)
 
+    # -- retention ------------------------------------------------------------
+
+    @staticmethod
+    def _purgeable(status: str, older_than_ms: int) -> Any:
+        """Rows of finished ``status`` that finished more than ``older_than_ms`` ago (DB clock)."""
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"only finished runs can be purged, not {status!r} ones")
+        if older_than_ms < 0:
+            raise ValueError(f"older_than_ms must be >= 0, got {older_than_ms}")
+        # A scalar subquery, evaluated once: an index bound (clock_timestamp() is
+        # volatile, so PostgreSQL would filter every row of the status instead).
+        cutoff = select(db_now_ms() - older_than_ms).scalar_subquery()
+        return and_(runs.c.status == status, runs.c.finished_at < cutoff)
+
+    @_db_errors
+    def purge_finished(self, status: str, older_than_ms: int, limit: int = PURGE_BATCH) -> int:
+        """Delete the oldest ``limit`` rows of ``status`` finished over ``older_than_ms`` ago.
+
+        Only terminal rows (``succeeded``, ``failed``, ``cancelled``) are ever
+        touched. One short transaction, in the order of the
+        ``(status, finished_at)`` index; on PostgreSQL and MySQL the rows are
+        picked ``FOR UPDATE SKIP LOCKED``, so a concurrent purge or a locked row
+        is skipped, never waited for. Returns how many rows were deleted.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        purgeable = self._purgeable(status, older_than_ms)
+        oldest = (
+            select(runs.c.id)
+            .where(purgeable)
+            .order_by(runs.c.finished_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)  # SQLite compiles no FOR UPDATE
+        )
+        if self.dialect not in ("mysql", "mariadb"):
+            # The rows are locked (PostgreSQL) or the writer is alone (SQLite) and
+            # were picked by the guard: no second filter. PostgreSQL gets
+            # id = ANY(ARRAY(...)), an index condition on the primary key; with
+            # IN (...) its planner may hash-join against a scan of the table.
+            picked: Any = (
+                runs.c.id == func.any(func.array(oldest.scalar_subquery()))
+                if self.dialect == "postgresql"
+                else runs.c.id.in_(oldest)
+            )
+            with self._auto.connect() as conn:
+                return int(conn.execute(delete(runs).where(picked)).rowcount)
+        # MySQL refuses LIMIT in an IN subquery: pick, then delete, in one transaction.
+        with self.engine.begin() as conn:
+            ids = list(conn.execute(oldest).scalars())
+            if not ids:
+                return 0
+            return int(conn.execute(delete(runs).where(runs.c.id.in_(ids), purgeable)).rowcount)
+
+    @_db_errors
+    def count_finished(self, status: str, older_than_ms: int) -> int:
+        """How many rows :meth:`purge_finished` would delete now, by index; read only."""
+        stmt = select(func.count()).select_from(runs).where(self._purgeable(status, older_than_ms))
+        with self._auto.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
     # -- reads ----------------------------------------------------------------
 
     @_db_errors
@@ -1831,39 +1900,52 @@ class LeaseStore:
     def stats(self, *, window_ms: int = 3_600_000) -> dict[str, Any]:
         """Per-status counts, live and expired leases, oldest running run, recent expiries.
 
-        Read only, three statements (not one snapshot). Keys: ``now`` (DB clock,
+        Read only, four statements (not one snapshot), each answered from the
+        ``(status, ...)`` indexes: the counts from the status index alone, the
+        rest from live rows and recently failed ones, never the whole table's
+        rows. Keys: ``now`` (DB clock,
         epoch ms), ``counts`` (status -> rows), ``live_leases`` (running, lease
         unexpired), ``expired_leases`` (running, lease expired: awaiting takeover
         or the sweeper), ``oldest_running`` (a :class:`RunRecord` or None),
         ``lease_expired_recent`` (rows with ``failure_code = 'lease_expired'``
-        updated within ``window_ms``).
+        updated within ``window_ms``; a finished row is last updated when it finished).
         """
         now = db_now_ms()
         running = runs.c.status == RUNNING
-        per_status = select(
-            runs.c.status,
-            func.count(),
-            func.sum(case((and_(running, runs.c.lease_expires_at > now), 1), else_=0)),
-            func.sum(case((and_(running, runs.c.lease_expires_at <= now), 1), else_=0)),
-        ).group_by(runs.c.status)
+        per_status = select(runs.c.status, func.count()).group_by(runs.c.status)
+        leases = select(
+            func.sum(case((runs.c.lease_expires_at > now, 1), else_=0)),
+            func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
+        ).where(running)
         oldest = (
             select(runs)
             .where(running)
             .order_by(runs.c.started_at.is_(None), runs.c.started_at, runs.c.id)
             .limit(1)
         )
+        # A scalar subquery is an index bound (a volatile clock is not); only
+        # live rows and runs that failed within the window can carry the code.
+        since = select(now - window_ms).scalar_subquery()
         recent = select(now, func.count()).where(
-            runs.c.failure_code == "lease_expired", runs.c.updated_at >= now - window_ms
+            runs.c.failure_code == "lease_expired",
+            or_(
+                and_(
+                    runs.c.status.in_((QUEUED, RUNNING, RETRYING)),
+                    runs.c.updated_at >= since,
+                ),
+                and_(runs.c.status == FAILED, runs.c.finished_at >= since),
+            ),
         )
         with self._auto.connect() as conn:
             grouped = conn.execute(per_status).all()
+            live, expired = conn.execute(leases).one()
             oldest_row = conn.execute(oldest).mappings().first()
             db_now, expired_recent = conn.execute(recent).one()
         return {
             "now": int(db_now),
             "counts": {str(r[0]): int(r[1]) for r in grouped},
-            "live_leases": sum(int(r[2] or 0) for r in grouped),
-            "expired_leases": sum(int(r[3] or 0) for r in grouped),
+            "live_leases": int(live or 0),
+            "expired_leases": int(expired or 0),
             "oldest_running": None if oldest_row is None else RunRecord(**dict(oldest_row)),
             "lease_expired_recent": int(expired_recent),
         }

@@ -13,6 +13,7 @@ from kombu.serialization import loads, prepare_accept_content
 from .config import LeaseConfig
 from .errors import LeaseError
 from .events import emit
+from .retention import SWEEP_PURGE_LIMIT, sweep_retention
 from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
@@ -31,8 +32,10 @@ class SweepReport:
     failed: list[str] = dataclasses.field(default_factory=list)
     cancelled: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
+    #: Finished rows deleted by the retention step, per status.
+    purged: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, list[str]]:
+    def as_dict(self) -> dict[str, Any]:
         """The report as plain data (the sweep task's result)."""
         return dataclasses.asdict(self)
 
@@ -191,13 +194,16 @@ def sweep(
     *,
     limit: int = 500,
     stale_after: float | None = None,
+    purge_limit: int = SWEEP_PURGE_LIMIT,
 ) -> SweepReport:
-    """Recover expired and stranded runs once.
+    """Recover expired and stranded runs once, then apply ``lease_retention``.
 
     Expired ``running`` leases are handed back and re-enqueued (or end
     ``failed``/``cancelled``); ``retrying`` runs available for longer than
     ``stale_after`` seconds (default: sweep interval + lease length) without a
-    claim are re-enqueued too, since their message was lost.
+    claim are re-enqueued too, since their message was lost. Last, at most
+    ``purge_limit`` finished rows older than ``lease_retention`` are deleted,
+    in batches (0 skips the step).
     """
     from .app import store_for
 
@@ -224,6 +230,8 @@ def sweep(
     if stale_after is None:
         stale_after = config.sweep_interval + config.lease_seconds
     requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
+    if purge_limit:
+        report.purged = sweep_retention(store, config.retention, purge_limit).removed
     return report
 
 
@@ -235,5 +243,5 @@ def register_sweep_task(app: Celery) -> None:
     @app.task(  # type: ignore[untyped-decorator]
         name=SWEEP_TASK_NAME, shared=False, ignore_result=True, lazy=False
     )
-    def celery_lease_sweep() -> dict[str, list[str]]:
+    def celery_lease_sweep() -> dict[str, Any]:
         return sweep(app).as_dict()

@@ -1,0 +1,140 @@
+"""Retention: deleting finished run rows, in bounded batches.
+
+The sweeper calls :func:`purge` once per sweep with ``lease_retention`` and a
+per-sweep limit; ``celery lease purge`` calls it with the operator's age,
+statuses and batch size, and no limit. Each batch is one short transaction
+(:meth:`~celery_lease.store.LeaseStore.purge_finished`), so no purge holds
+locks for long, however many rows it removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from .errors import LeaseError
+from .events import emit
+from .sanitize import describe_exception
+from .schema import CANCELLED, FAILED, SUCCEEDED
+from .store import PURGE_BATCH, LeaseStore
+
+logger = logging.getLogger(__name__)
+
+#: The finished statuses, in the order they are purged and reported.
+FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+
+#: Rows one sweep deletes at most: ten batches (at the default 60 s interval,
+#: about 14 million rows a day). A larger backlog is drained over later sweeps,
+#: or at once with ``celery lease purge``.
+SWEEP_PURGE_LIMIT = 10 * PURGE_BATCH
+
+
+@dataclasses.dataclass
+class PurgeReport:
+    """Rows deleted (or, for a dry run, found) per finished status."""
+
+    removed: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FINISHED, 0))
+    batches: int = 0
+
+    @property
+    def total(self) -> int:
+        """Rows over all statuses."""
+        return sum(self.removed.values())
+
+
+def purge(
+    store: LeaseStore,
+    older_than: float,
+    *,
+    statuses: Iterable[str] = FINISHED,
+    batch: int = PURGE_BATCH,
+    limit: int | None = None,
+    progress: Callable[[PurgeReport], None] | None = None,
+    throttle: bool = False,
+) -> PurgeReport:
+    """Delete rows of ``statuses`` finished more than ``older_than`` seconds ago (DB clock).
+
+    One batch of at most ``batch`` rows per status in turn, until every status
+    comes back short of a full batch, or ``limit`` rows are gone. ``progress``
+    is called after each batch. Live rows are never touched. With ``throttle``
+    each batch is followed by a pause as long as the batch took, so a long
+    purge spends at most half its time in the database and claims keep their
+    latency.
+
+    Raises:
+        ValueError: a status that is not finished, or a bad age, batch or limit.
+        LeaseDatabaseError: a batch failed; the batches before it stay deleted.
+    """
+    chosen = set(statuses)
+    wanted = [s for s in FINISHED if s in chosen]
+    unknown = chosen - set(FINISHED)
+    if unknown:
+        raise ValueError(f"only finished runs can be purged, not {sorted(unknown)}")
+    if batch < 1 or (limit is not None and limit < 1):
+        raise ValueError("batch and limit must be >= 1")
+    older_than_ms = round(older_than * 1000)
+    report = PurgeReport()
+    pending = list(wanted)
+    while pending:
+        for status in list(pending):
+            size = batch if limit is None else min(batch, limit - report.total)
+            if size < 1:
+                return report
+            started = time.monotonic()
+            removed = store.purge_finished(status, older_than_ms, size)
+            if throttle and removed == size:  # more to come: leave the database be a while
+                time.sleep(time.monotonic() - started)
+            report.removed[status] += removed
+            report.batches += 1
+            if removed < size:
+                pending.remove(status)
+            if progress is not None:
+                progress(report)
+    return report
+
+
+def count(store: LeaseStore, older_than: float, statuses: Iterable[str] = FINISHED) -> PurgeReport:
+    """What :func:`purge` would delete now, per status; read only."""
+    report = PurgeReport()
+    chosen = set(statuses)
+    for status in FINISHED:
+        if status in chosen:
+            report.removed[status] = store.count_finished(status, round(older_than * 1000))
+    return report
+
+
+def sweep_retention(
+    store: LeaseStore, retention: float | None, limit: int = SWEEP_PURGE_LIMIT
+) -> PurgeReport:
+    """The sweeper's retention step: at most ``limit`` rows older than ``retention`` s.
+
+    ``None`` keeps every row. A database error is logged (``purge_error``) and
+    leaves the rest for the next sweep: retention never stops recovery.
+    """
+    report = PurgeReport()
+    if retention is None:
+        return report
+    try:
+        report = purge(store, retention, limit=limit)
+    except LeaseError as exc:
+        emit(
+            "purge_error",
+            None,
+            "celery-lease: retention purge failed, retried next sweep: %s",
+            describe_exception(exc),
+            level=logging.WARNING,
+        )
+        return report
+    if report.total:
+        emit(
+            "purged",
+            None,
+            "celery-lease: deleted %d finished runs older than %.0fs (%s)",
+            report.total,
+            retention,
+            ", ".join(f"{s} {n}" for s, n in report.removed.items() if n),
+            count=report.total,
+        )
+    return report
