@@ -137,6 +137,13 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
             engine.dispose()  # no connection keeps the trace callback
 
 
+def queue_for(name: str, arguments: dict[str, Any] | None = None) -> Any:
+    """The task queue ``name`` on its own direct exchange, declared with ``arguments``."""
+    from kombu import Exchange, Queue
+
+    return Queue(name, Exchange(name), routing_key=name, queue_arguments=arguments)
+
+
 class Worker:
     """One ``celery worker`` process group started by a test, stopped by its PID."""
 

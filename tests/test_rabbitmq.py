@@ -1,0 +1,92 @@
+"""RabbitMQ + PostgreSQL with acks_late: redelivery on connection close, quorum queues.
+
+RabbitMQ hands an unacknowledged message back the moment its consumer's
+connection closes, so after a ``kill -9`` the message is redelivered while the
+dead worker's lease is still live. That delivery must find the run busy,
+re-publish itself, and claim only once the lease has expired.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.cluster import AMQP_ID, AMQP_SETUP, Cluster
+from tests.helpers import wait_for
+
+ON_AMQP = pytest.mark.parametrize("cluster", [AMQP_SETUP], ids=[AMQP_ID], indirect=True)
+FAST_RETRY = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
+
+
+def busy_lines(log: str, run_id: str) -> list[str]:
+    """The worker's log lines for busy deliveries of ``run_id``."""
+    return re.findall(rf"lease_busy: run {run_id}: held by another worker[^\n]*", log)
+
+
+@ON_AMQP
+@pytest.mark.timeout(90)
+def test_kill9_redelivered_at_once_claims_only_after_lease_expires(cluster: Cluster) -> None:
+    """kill -9 the worker running a run (acks_late, no beat, no sweeper): RabbitMQ
+    redelivers the message at once; the new delivery finds the run busy while the dead
+    worker's lease lives, re-publishes itself, and claims attempt 2 only after the lease
+    expired. One commit."""
+    lease, beat = 3.0, 0.5
+    timing = {"CL_LEASE_SECONDS": str(lease), "CL_HEARTBEAT": str(beat), "CL_ACKS_LATE": "1"}
+    w1 = cluster.start("w1", conf=FAST_RETRY, concurrency=1, **timing)
+    run_id = cluster.send("workerapp.work", 4.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    w2 = cluster.start("w2", conf=FAST_RETRY, concurrency=1, **timing)
+    time.sleep(2 * beat)  # w1 renews its lease at least once more
+    w1.kill9()
+    killed_at = time.time()
+    # The redelivery reaches w2 well within the lease the dead worker still holds.
+    wait_for(lambda: busy_lines(w2.log(), run_id), lease - beat, what="the redelivery")
+    row = cluster.store.get(run_id)
+    assert row is not None and (row.status, row.attempt) == ("running", 1)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="recovery")
+    starts = cluster.effects(run_id, "start")
+    assert [e.attempt for e in starts] == [1, 2]
+    # The last renewal was at most one heartbeat before the kill (plus slack for a
+    # loaded machine: the database clock, not ours, decided).
+    assert starts[1].at >= killed_at + lease - beat - 0.5
+    assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 2 and row.lease_owner.startswith("w2@")
+    assert "Received method" not in w2.log()
+
+
+@ON_AMQP
+@pytest.mark.timeout(120)
+def test_quorum_queue_delivery_limit_spares_busy_republish(cluster: Cluster) -> None:
+    """A quorum queue with ``x-delivery-limit: 1`` drops a message returned to it twice.
+    A busy run's delivery is re-published as a new message and the old one acked, so
+    its delivery count never grows: six busy rounds later the run still runs, once."""
+    from kombu import Connection
+
+    cluster.use_queue_arguments({"x-queue-type": "quorum", "x-delivery-limit": 1})
+    queue = cluster.producer.conf.task_queues[0]
+    # The limit is live on this queue: a message requeued twice is gone.
+    with Connection(cluster.env["CL_BROKER_URL"]) as conn:
+        bound = queue(conn.default_channel)
+        bound.declare()
+        conn.Producer().publish({"probe": 1}, exchange=queue.exchange, routing_key=queue.name)
+        for _ in range(2):
+            message = wait_for(lambda: bound.get(no_ack=False), 5, what="the probe")
+            message.requeue()
+        time.sleep(0.3)
+        assert bound.get(no_ack=False) is None, "x-delivery-limit did not drop the probe"
+
+    held = cluster.store.claim(
+        "busy-run", "ghost", task_name="workerapp.work", lease_ms=120_000, max_attempts=5
+    )
+    assert held.outcome == "claimed"
+    conf = {"lease_retry_backoff": 0.1, "lease_retry_backoff_max": 0.3}
+    w1 = cluster.start("w1", conf=conf, CL_ACKS_LATE="1", CL_LEASE_SECONDS="5")
+    cluster.send("workerapp.work", 0.0, task_id="busy-run")
+    wait_for(lambda: len(busy_lines(w1.log(), "busy-run")) >= 6, 30, what="six busy rounds")
+    cluster.store.release("busy-run", "ghost", 1)
+    wait_for(lambda: cluster.status("busy-run") == "succeeded", 30, what="the run")
+    assert [e.attempt for e in cluster.effects("busy-run", "start")] == [2]
+    assert len(cluster.effects("busy-run", "commit")) == 1
