@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,12 @@ class Cluster:
 
     def close(self) -> None:
         if self.amqp:
-            # Workers first: a consumer whose queue is deleted reconnects and declares it again.
+            # Workers first: a consumer whose queue is deleted reconnects and declares it
+            # again. All at once: a worker on RabbitMQ takes ~5 s to finish a warm shutdown.
+            for worker in self._workers:
+                if worker.proc.poll() is None:
+                    worker.resume()
+                    worker.proc.send_signal(signal.SIGTERM)
             for worker in self._workers:
                 worker.stop()
             delete_amqp_entities(self.producer, self.queue)
