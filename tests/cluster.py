@@ -61,12 +61,13 @@ class Cluster:
                 "control_folder": f"{folder}/control",
             }
 
-    def use_queue_arguments(self, arguments: dict[str, Any]) -> None:
-        """Declare this cluster's queue with ``arguments`` (e.g. a quorum queue), in the
-        producer and in every worker started from now on (RabbitMQ refuses a queue
-        declared again with other arguments)."""
+    def use_queue_arguments(self, arguments: dict[str, Any], exchange_type: str = "direct") -> None:
+        """Declare this cluster's queue with ``arguments`` (e.g. a quorum queue) on an
+        exchange of ``exchange_type``, in the producer and in every worker started from
+        now on (RabbitMQ refuses a queue declared again with other arguments)."""
         self.env["CL_QUEUE_ARGS"] = json.dumps(arguments)
-        self.producer.conf.task_queues = [queue_for(self.queue, arguments)]
+        self.env["CL_QUEUE_EXCHANGE_TYPE"] = exchange_type
+        self.producer.conf.task_queues = [queue_for(self.queue, arguments, exchange_type)]
 
     def start(
         self,

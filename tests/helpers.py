@@ -137,11 +137,15 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
             engine.dispose()  # no connection keeps the trace callback
 
 
-def queue_for(name: str, arguments: dict[str, Any] | None = None) -> Any:
-    """The task queue ``name`` on its own direct exchange, declared with ``arguments``."""
+def queue_for(
+    name: str, arguments: dict[str, Any] | None = None, exchange_type: str = "direct"
+) -> Any:
+    """The task queue ``name`` on its own exchange (of ``exchange_type``), declared with
+    ``arguments``."""
     from kombu import Exchange, Queue
 
-    return Queue(name, Exchange(name), routing_key=name, queue_arguments=arguments)
+    exchange = Exchange(name, type=exchange_type)
+    return Queue(name, exchange, routing_key=name, queue_arguments=arguments)
 
 
 class Worker:

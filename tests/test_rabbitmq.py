@@ -90,3 +90,62 @@ def test_quorum_queue_delivery_limit_spares_busy_republish(cluster: Cluster) -> 
     wait_for(lambda: cluster.status("busy-run") == "succeeded", 30, what="the run")
     assert [e.attempt for e in cluster.effects("busy-run", "start")] == [2]
     assert len(cluster.effects("busy-run", "commit")) == 1
+
+
+@ON_AMQP
+@pytest.mark.timeout(120)
+def test_quorum_delivery_limit_drops_killed_run_sweeper_recovers_it(cluster: Cluster) -> None:
+    """A quorum queue with ``x-delivery-limit: 0`` drops a message the first time it is
+    returned: kill -9 the worker running a run (acks_late) and RabbitMQ redelivers
+    nothing. The run's row holds its message, so the sweeper publishes it again once the
+    lease expired; attempt 2 commits, once."""
+    cluster.use_queue_arguments({"x-queue-type": "quorum", "x-delivery-limit": 0})
+    timing = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5", "CL_ACKS_LATE": "1"}
+    w1 = cluster.start("w1", conf=FAST_RETRY, concurrency=1, **timing)
+    run_id = cluster.send("workerapp.work", 3.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    w2 = cluster.start("w2", conf=FAST_RETRY, concurrency=1, **timing)
+    w1.kill9()
+    time.sleep(2.5)  # past the lease: a redelivery would have reached w2 by now
+    assert busy_lines(w2.log(), run_id) == []
+    assert cluster.effects(run_id, "start")[-1].attempt == 1
+    cluster.start_beat({"lease_sweep_interval": 1.0})
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 40, what="the sweeper's recovery")
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
+    assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+
+
+@ON_AMQP
+@pytest.mark.parametrize("exchange_type", ["direct", "topic"])
+@pytest.mark.timeout(120)
+def test_quorum_busy_duplicate_waits_in_worker_or_broker(
+    cluster: Cluster, exchange_type: str
+) -> None:
+    """A busy duplicate is re-published with a countdown (the lease's time left). On a
+    quorum queue the worker's prefetch is static: on a direct exchange the worker holds
+    that message until its ETA, and with ``-c 1`` no other run reaches it meanwhile. On a
+    topic exchange Celery's native delayed delivery parks it in the broker instead, and
+    the next run starts at once."""
+    cluster.use_queue_arguments({"x-queue-type": "quorum"}, exchange_type)
+    held = cluster.store.claim(
+        "busy-run", "ghost", task_name="workerapp.work", lease_ms=8_000, max_attempts=5
+    )
+    assert held.outcome == "claimed"
+    w1 = cluster.start("w1", concurrency=1, CL_ACKS_LATE="1")
+    cluster.send("workerapp.work", 0.0, task_id="busy-run")
+    wait_for(lambda: busy_lines(w1.log(), "busy-run"), 30, what="the busy delivery")
+    received = "Task workerapp.work[busy-run] received"
+    if exchange_type == "direct":  # the re-published message reaches the worker at once
+        wait_for(lambda: w1.log().count(received) == 2, 10, what="the re-published message")
+    else:  # it waits in the broker's delay queues
+        time.sleep(1.0)
+        assert w1.log().count(received) == 1
+    sent_at = time.time()
+    other = cluster.send("workerapp.work", 0.0)
+    wait_for(lambda: cluster.status(other) == "succeeded", 40, what="the other run")
+    waited = cluster.effects(other, "start")[0].at - sent_at
+    wait_for(lambda: cluster.status("busy-run") == "succeeded", 40, what="the busy run")
+    if exchange_type == "direct":
+        assert waited > 4.0
+    else:
+        assert waited < 3.0

@@ -63,7 +63,11 @@ if app.conf.broker_url.startswith("amqp"):
 if os.environ.get("CL_QUEUE_ARGS"):
     # The test's queue declared with arguments, e.g. a RabbitMQ quorum queue.
     app.conf.task_queues = [
-        queue_for(app.conf.task_default_queue, json.loads(os.environ["CL_QUEUE_ARGS"]))
+        queue_for(
+            app.conf.task_default_queue,
+            json.loads(os.environ["CL_QUEUE_ARGS"]),
+            os.environ.get("CL_QUEUE_EXCHANGE_TYPE", "direct"),
+        )
     ]
 if os.environ.get("CL_RESULT_BACKEND"):
     app.conf.result_backend = os.environ["CL_RESULT_BACKEND"]
