@@ -9,7 +9,9 @@ a PgBouncer in ``pool_mode = transaction`` in front of that PostgreSQL, with a w
 ``* = host=... port=...`` database entry so each test's scratch database is reachable through it).
 RabbitMQ from ``CELERY_LEASE_TEST_AMQP_URL`` (e.g. ``amqp://guest:guest@127.0.0.1:5672//``):
 each test gets its own uniquely named queue, exchange and control exchange on that vhost,
-deleted afterwards, so tests running in parallel never see each other's messages.
+deleted afterwards, so tests running in parallel never see each other's messages (Celery's
+native delayed delivery, used by one quorum-queue test, declares its shared
+``celery_delayed_*`` exchanges and queues on the vhost; they stay, as in production).
 Without them those tests skip, except under ``CI=true``, where they fail.
 """
 
