@@ -149,3 +149,24 @@ def test_quorum_busy_duplicate_waits_in_worker_or_broker(
         assert waited > 4.0
     else:
         assert waited < 3.0
+
+
+@ON_AMQP
+@pytest.mark.timeout(90)
+def test_quorum_topic_sub_second_busy_countdown_is_published(cluster: Cluster) -> None:
+    """Celery's native delayed delivery (quorum queue, topic exchange) takes whole seconds
+    and refuses a countdown under 1 s. A busy duplicate whose lease has under a second
+    left is still re-published at once (its countdown rounded up to 1 s), not left for
+    a sweeper: with none running, the run is taken over within seconds."""
+    cluster.use_queue_arguments({"x-queue-type": "quorum"}, "topic")
+    w1 = cluster.start("w1", CL_ACKS_LATE="1")
+    held = cluster.store.claim(
+        "short-left", "ghost", task_name="workerapp.work", lease_ms=900, max_attempts=5
+    )
+    assert held.outcome == "claimed"
+    cluster.send("workerapp.work", 0.0, task_id="short-left")
+    wait_for(lambda: busy_lines(w1.log(), "short-left"), 10, what="the busy delivery")
+    assert re.search(r"retrying in 0\.\d+s", busy_lines(w1.log(), "short-left")[0])
+    wait_for(lambda: cluster.status("short-left") == "succeeded", 15, what="the takeover")
+    assert "kept in the lease database" not in w1.log()
+    assert [e.attempt for e in cluster.effects("short-left", "start")] == [2]
