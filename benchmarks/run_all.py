@@ -162,7 +162,9 @@ def render(
         "and 0.8 (PostgreSQL), and compares it with celery-once's in both windows. "
         "*Via PgBouncer* is the same PostgreSQL reached through PgBouncer in "
         "`pool_mode = transaction` (`CELERY_LEASE_BENCH_PGBOUNCER_URL`), its process "
-        "counted with the servers.",
+        "counted with the servers. *RabbitMQ* rows use RabbitMQ "
+        "(`CELERY_LEASE_BENCH_AMQP_URL`) as the broker, a classic durable queue per run, "
+        "its `beam.smp` process counted with the servers.",
         "",
         sections.get("throughput", "(not run)"),
         "",

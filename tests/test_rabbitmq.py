@@ -32,29 +32,27 @@ def test_kill9_redelivered_at_once_claims_only_after_lease_expires(cluster: Clus
     redelivers the message at once; the new delivery finds the run busy while the dead
     worker's lease lives, re-publishes itself, and claims attempt 2 only after the lease
     expired. One commit."""
-    lease, beat = 3.0, 0.5
+    lease, beat = 5.0, 0.5
     timing = {"CL_LEASE_SECONDS": str(lease), "CL_HEARTBEAT": str(beat), "CL_ACKS_LATE": "1"}
     w1 = cluster.start("w1", conf=FAST_RETRY, concurrency=1, **timing)
-    run_id = cluster.send("workerapp.work", 4.0)
+    run_id = cluster.send("workerapp.work", 30.0)
     wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
     w2 = cluster.start("w2", conf=FAST_RETRY, concurrency=1, **timing)
     time.sleep(2 * beat)  # w1 renews its lease at least once more
     w1.kill9()
-    killed_at = time.time()
     # The redelivery reaches w2 well within the lease the dead worker still holds.
     wait_for(lambda: busy_lines(w2.log(), run_id), lease - beat, what="the redelivery")
     row = cluster.store.get(run_id)
     assert row is not None and (row.status, row.attempt) == ("running", 1)
+    assert row.lease_expires_at is not None
+    expired_at = row.lease_expires_at / 1000  # the database clock: this host's
     wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="recovery")
     starts = cluster.effects(run_id, "start")
     assert [e.attempt for e in starts] == [1, 2]
-    # The last renewal was at most one heartbeat before the kill (plus slack for a
-    # loaded machine: the database clock, not ours, decided).
-    assert starts[1].at >= killed_at + lease - beat - 0.5
+    assert starts[1].at >= expired_at - 0.05  # not one moment before the lease ran out
     assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
     row = cluster.store.get(run_id)
     assert row is not None and row.attempt == 2 and row.lease_owner.startswith("w2@")
-    assert "Received method" not in w2.log()
 
 
 @ON_AMQP
