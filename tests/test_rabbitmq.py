@@ -20,6 +20,12 @@ ON_AMQP = pytest.mark.parametrize("cluster", [AMQP_SETUP], ids=[AMQP_ID], indire
 FAST_RETRY = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
 
 
+def _parent(pid: int) -> int:
+    """The parent PID of ``pid`` (a pool process's worker)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[1])
+
+
 def busy_lines(log: str, run_id: str) -> list[str]:
     """The worker's log lines for busy deliveries of ``run_id``."""
     return re.findall(rf"lease_busy: run {run_id}: held by another worker[^\n]*", log)
@@ -34,10 +40,10 @@ def test_kill9_redelivered_at_once_claims_only_after_lease_expires(cluster: Clus
     expired. One commit."""
     lease, beat = 5.0, 0.5
     timing = {"CL_LEASE_SECONDS": str(lease), "CL_HEARTBEAT": str(beat), "CL_ACKS_LATE": "1"}
-    w1 = cluster.start("w1", conf=FAST_RETRY, concurrency=1, **timing)
-    run_id = cluster.send("workerapp.work", 30.0)
-    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
-    w2 = cluster.start("w2", conf=FAST_RETRY, concurrency=1, **timing)
+    pair = [cluster.start(f"w{i}", conf=FAST_RETRY, concurrency=1, **timing) for i in (1, 2)]
+    run_id = cluster.send("workerapp.work", 3.0)
+    (start,) = wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the run to start")
+    w1, w2 = pair if _parent(start.pid) == pair[0].pid else pair[::-1]
     time.sleep(2 * beat)  # w1 renews its lease at least once more
     w1.kill9()
     # The redelivery reaches w2 well within the lease the dead worker still holds.
