@@ -39,6 +39,15 @@ def pgbouncer_url() -> str | None:
     )
 
 
+#: A RabbitMQ URL; only the queue and exchange named after each run are touched.
+AMQP_ENV = "CELERY_LEASE_BENCH_AMQP_URL"
+
+
+def amqp_url() -> str | None:
+    """The RabbitMQ URL (falls back to the test suite's variable)."""
+    return os.environ.get(AMQP_ENV) or os.environ.get("CELERY_LEASE_TEST_AMQP_URL") or None
+
+
 def redis_url() -> str | None:
     """The Redis URL (falls back to the test suite's variable)."""
     return os.environ.get(REDIS_ENV) or os.environ.get("CELERY_LEASE_TEST_REDIS_URL") or None

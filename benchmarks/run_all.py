@@ -30,7 +30,7 @@ from sqlalchemy import create_engine, text
 from tests.helpers import scratch_database
 
 from . import contention, retention, sql, takeover, throughput
-from .common import REPO, check_loopback, pg_admin_url, pgbouncer_url, redis_url
+from .common import REPO, amqp_url, check_loopback, pg_admin_url, pgbouncer_url, redis_url
 
 DOC = REPO / "docs" / "benchmarks.md"
 
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (1 if args.quick else 3)
     command = " ".join(["python -m benchmarks.run_all", *(argv or sys.argv[1:])])
 
-    admin, redis, bouncer = pg_admin_url(), redis_url(), pgbouncer_url()
-    for url in (admin, redis, bouncer):
+    admin, redis, bouncer, amqp = pg_admin_url(), redis_url(), pgbouncer_url(), amqp_url()
+    for url in (admin, redis, bouncer, amqp):
         if url:
             check_loopback(url)
     work = Path(tempfile.mkdtemp(prefix="celery-lease-bench-"))
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         with scratch_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg_url:
             print(f"throughput: {tasks} tasks x {rounds} round(s)", flush=True)
             sections["throughput"], _ = throughput.run(
-                tasks, rounds, work, redis, pg_url, bouncer_url=bouncer
+                tasks, rounds, work, redis, pg_url, bouncer_url=bouncer, amqp_url=amqp
             )
             print(sections["throughput"], flush=True)
             print("SQL per task and per heartbeat tick", flush=True)
@@ -162,7 +162,9 @@ def render(
         "and 0.8 (PostgreSQL), and compares it with celery-once's in both windows. "
         "*Via PgBouncer* is the same PostgreSQL reached through PgBouncer in "
         "`pool_mode = transaction` (`CELERY_LEASE_BENCH_PGBOUNCER_URL`), its process "
-        "counted with the servers.",
+        "counted with the servers. *RabbitMQ* rows use RabbitMQ "
+        "(`CELERY_LEASE_BENCH_AMQP_URL`) as the broker, a classic durable queue per run, "
+        "its `beam.smp` process counted with the servers.",
         "",
         sections.get("throughput", "(not run)"),
         "",

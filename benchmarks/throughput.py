@@ -7,10 +7,13 @@ the lease completion / celery-once unlock are included. Configurations run
 interleaved, round after round; each figure is the median over rounds and
 each ratio the median of per-round ratios to plain Celery on the same broker.
 
+On RabbitMQ (``CELERY_LEASE_BENCH_AMQP_URL``) plain Celery and LeasedTask on
+PostgreSQL are compared the same way.
+
 Two more columns per set-up: *end to end*, N over the publishing time plus the
 worker's time (celery-once takes its lock while publishing), and *CPU ms per
 task*: the CPU time of the worker's processes and of the local database and
-Redis servers while the worker drained the queue, per task. CPU time is less
+Redis (or RabbitMQ) servers while the worker drained the queue, per task. CPU time is less
 disturbed by a busy neighbour than wall time.
 """
 
@@ -43,7 +46,7 @@ class Setup:
     """One column of the comparison: a broker, a mode and (for leased) a lease database."""
 
     label: str
-    broker: str  # "filesystem" or "redis"
+    broker: str  # "filesystem", "redis" or "amqp"
     mode: str  # "plain", "leased", "once"
     lease_db: str = ""  # "sqlite", "postgresql" or "pgbouncer" (the same PostgreSQL through it)
 
@@ -56,7 +59,13 @@ SETUPS = [
     Setup("LeasedTask, PostgreSQL", "redis", "leased", "postgresql"),
     Setup("LeasedTask, PostgreSQL via PgBouncer", "redis", "leased", "pgbouncer"),
     Setup("celery-once (Redis lock)", "redis", "once"),
+    Setup("plain Celery", "amqp", "plain"),
+    Setup("LeasedTask, PostgreSQL", "amqp", "leased", "postgresql"),
 ]
+#: How each broker is named in the table.
+BROKER_LABELS = {"filesystem": "filesystem://", "redis": "Redis", "amqp": "RabbitMQ"}
+#: The server processes whose CPU time each broker adds (RabbitMQ: the Erlang VM).
+BROKER_SERVERS = {"filesystem": (), "redis": ("redis-server",), "amqp": ("beam.smp",)}
 
 
 @dataclass
@@ -105,6 +114,7 @@ def run_one(
     redis_url: str | None,
     pg_url: str | None,
     bouncer_url: str | None = None,
+    amqp_url: str | None = None,
 ) -> Result:
     """Enqueue ``n`` tasks, start a worker, time it until all ``n`` finished."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
@@ -119,6 +129,9 @@ def run_one(
         folder = run_dir / "broker"
         (folder / "control").mkdir(parents=True)
         env.update(BENCH_BROKER="filesystem://", BENCH_FS_DIR=str(folder))
+    elif setup.broker == "amqp":
+        assert amqp_url
+        env["BENCH_BROKER"] = amqp_url
     else:
         assert redis_url
         env["BENCH_BROKER"] = redis_url
@@ -146,7 +159,7 @@ def run_one(
     enqueue_rate = n / (time.perf_counter() - started)
     producer.close()
 
-    servers = ("redis-server",) if setup.broker == "redis" else ()
+    servers = BROKER_SERVERS[setup.broker]
     if setup.lease_db == "postgresql":
         servers += ("postgres",)
     elif setup.lease_db == "pgbouncer":
@@ -169,6 +182,8 @@ def run_one(
         worker.stop()
         if setup.broker == "redis" and redis_url:
             _clean_redis(redis_url, env["BENCH_QUEUE"])
+        if setup.broker == "amqp" and amqp_url:
+            _clean_amqp(amqp_url, env["BENCH_QUEUE"])
     got = read_marks(marks)
     first = min(float(f[0]) for kind, f in got if kind == "S")
     last = max(float(f[0]) for kind, f in got if kind == "E")
@@ -197,6 +212,16 @@ def _clean_redis(url: str, queue: str) -> None:
     client.close()
 
 
+def _clean_amqp(url: str, queue: str) -> None:
+    """Delete the run's queue and its exchange (named after the queue)."""
+    from kombu import Connection
+
+    with Connection(url) as conn:
+        channel = conn.default_channel
+        channel.queue_delete(queue)
+        channel.exchange_delete(queue)
+
+
 def run(
     n: int,
     rounds: int,
@@ -205,14 +230,22 @@ def run(
     pg_url: str | None,
     log: Any = print,
     bouncer_url: str | None = None,
-    brokers: tuple[str, ...] = ("filesystem", "redis"),
+    brokers: tuple[str, ...] = ("filesystem", "redis", "amqp"),
+    amqp_url: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """All set-ups, interleaved, ``rounds`` times; a Markdown table and the raw figures.
 
     ``bouncer_url`` is a PgBouncer (transaction mode) in front of ``pg_url``'s
     server, with a wildcard database entry; without it that row is left out.
+    Without ``amqp_url`` the RabbitMQ rows are left out.
     """
-    setups = [s for s in SETUPS if (s.broker == "filesystem" and s.mode != "once") or redis_url]
+    setups = [
+        s
+        for s in SETUPS
+        if (s.broker == "filesystem" and s.mode != "once")
+        or (s.broker == "amqp" and amqp_url)
+        or (s.broker != "amqp" and redis_url)
+    ]
     setups = [s for s in setups if s.lease_db != "postgresql" or pg_url]
     setups = [s for s in setups if s.lease_db != "pgbouncer" or (pg_url and bouncer_url)]
     setups = [s for s in setups if s.broker in brokers]
@@ -224,7 +257,7 @@ def run(
         random.shuffle(order)  # no set-up always runs first (page cache, a busy neighbour)
         this_round: dict[Setup, Result] = {}
         for setup in order:
-            res = run_one(setup, n, work, redis_url, pg_url, bouncer_url)
+            res = run_one(setup, n, work, redis_url, pg_url, bouncer_url, amqp_url)
             this_round[setup] = res
             results[setup].append(res)
             log(
@@ -257,7 +290,7 @@ def run(
                     f"; vs celery-once: worker side {_versus(ratio, peer)}, "
                     f"end to end {_versus(e2e, peer_e2e)}"
                 )
-        broker = "filesystem://" if setup.broker == "filesystem" else "Redis"
+        broker = BROKER_LABELS[setup.broker]
         rows.append(
             [
                 broker,
@@ -304,20 +337,32 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.helpers import scratch_database
 
-    from .common import pg_admin_url, pgbouncer_url, redis_url
+    from .common import amqp_url, pg_admin_url, pgbouncer_url, redis_url
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput")
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--redis-only", action="store_true", help="leave out filesystem://")
+    parser.add_argument(
+        "--brokers",
+        default="filesystem,redis,amqp",
+        help="comma-separated brokers to run (filesystem, redis, amqp); default all",
+    )
     args = parser.parse_args(argv)
-    admin, redis, bouncer = pg_admin_url(), redis_url(), pgbouncer_url()
+    admin, redis, bouncer, amqp = pg_admin_url(), redis_url(), pgbouncer_url(), amqp_url()
     work = Path(tempfile.mkdtemp(prefix="celery-lease-bench-"))
-    brokers = ("redis",) if args.redis_only else ("filesystem", "redis")
+    brokers = ("redis",) if args.redis_only else tuple(args.brokers.split(","))
     try:
         with scratch_database(admin, "clbench_") if admin else contextlib.nullcontext() as pg:
             rendered, _ = run(
-                args.tasks, args.rounds, work, redis, pg, bouncer_url=bouncer, brokers=brokers
+                args.tasks,
+                args.rounds,
+                work,
+                redis,
+                pg,
+                bouncer_url=bouncer,
+                brokers=brokers,
+                amqp_url=amqp,
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

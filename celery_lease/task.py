@@ -829,11 +829,12 @@ class LeasedTask(Task):  # type: ignore[misc]
             Exception: the last publish error, when the delivery could not be kept.
         """
         request = self.request
+        countdown = native_delay_countdown(self.app, max(0.0, countdown))
         signature = self.signature_from_request(
             request,
             request.args,
             request.kwargs,
-            countdown=max(0.0, countdown),
+            countdown=countdown,
             retries=request.retries + 1,
             **options,
         )
@@ -988,6 +989,24 @@ class LeasedTask(Task):  # type: ignore[misc]
 def _ceiling(config: LeaseConfig, lease: Lease) -> int:
     """The attempt at which ``lease``'s run is out of attempts (raised by ``lease rerun``)."""
     return max(config.max_attempts, lease.max_attempts)
+
+
+def native_delay_countdown(app: Celery, countdown: float) -> float:
+    """``countdown``, rounded up to 1 s where Celery would refuse it as under a second.
+
+    With RabbitMQ quorum queues, Celery (5.5 and later) sends countdowns through its
+    native delayed delivery, which counts whole seconds: a countdown between 0 and 1 s
+    raises ``ValueError`` at publish (on a topic or fanout exchange). Other brokers and
+    queues keep the exact countdown.
+    """
+    if not 0.0 < countdown < 1.0:
+        return countdown
+    try:
+        from celery.utils.quorum_queues import detect_quorum_queues
+    except ImportError:  # Celery before 5.5: no native delayed delivery
+        return countdown
+    driver = app.connection_for_write().transport.driver_type
+    return 1.0 if detect_quorum_queues(app, driver)[0] else countdown
 
 
 def _seconds_until(when: Any) -> float:

@@ -7,6 +7,11 @@ PostgreSQL and Redis come from ``CELERY_LEASE_TEST_PG_URL`` (an admin URL such a
 ``CELERY_LEASE_TEST_PGBOUNCER_URL`` (e.g. ``postgresql+psycopg://postgres@127.0.0.1:6432/postgres``:
 a PgBouncer in ``pool_mode = transaction`` in front of that PostgreSQL, with a wildcard
 ``* = host=... port=...`` database entry so each test's scratch database is reachable through it).
+RabbitMQ from ``CELERY_LEASE_TEST_AMQP_URL`` (e.g. ``amqp://guest:guest@127.0.0.1:5672//``):
+each test gets its own uniquely named queue, exchange and control exchange on that vhost,
+deleted afterwards, so tests running in parallel never see each other's messages (Celery's
+native delayed delivery, used by one quorum-queue test, declares its shared
+``celery_delayed_*`` exchanges and queues on the vhost; they stay, as in production).
 Without them those tests skip, except under ``CI=true``, where they fail.
 """
 
@@ -27,6 +32,7 @@ PG_ENV = "CELERY_LEASE_TEST_PG_URL"
 REDIS_ENV = "CELERY_LEASE_TEST_REDIS_URL"
 MYSQL_ENV = "CELERY_LEASE_TEST_MYSQL_URL"
 PGBOUNCER_ENV = "CELERY_LEASE_TEST_PGBOUNCER_URL"
+AMQP_ENV = "CELERY_LEASE_TEST_AMQP_URL"
 
 
 def _pg_admin_url() -> str | None:
@@ -93,6 +99,12 @@ def redis_url() -> str:
 
 
 @pytest.fixture
+def amqp_url() -> str:
+    """The RabbitMQ URL for broker tests (isolation: see :class:`tests.cluster.Cluster`)."""
+    return str(require(os.environ.get(AMQP_ENV), f"RabbitMQ ({AMQP_ENV})"))
+
+
+@pytest.fixture
 def workers(tmp_path: Path) -> Iterator[list[Worker]]:
     """Workers a test starts; each is stopped by PID at teardown."""
     started: list[Worker] = []
@@ -106,12 +118,16 @@ def cluster(
     request: pytest.FixtureRequest, tmp_path: Path, workers: list[Worker]
 ) -> Iterator[Cluster]:
     """A cluster per set-up: SQLite + filesystem broker, SQLite + Redis, PostgreSQL + Redis
-    (and PgBouncer + Redis where a test asks for ``PGBOUNCER_SETUP``)."""
+    (and PgBouncer + Redis where a test asks for ``PGBOUNCER_SETUP``, PostgreSQL +
+    RabbitMQ where it asks for ``AMQP_SETUP``)."""
     db, broker = request.param
     db_url = request.getfixturevalue({"postgresql": "pg_url"}.get(db, f"{db}_url"))
     if broker == "redis":
         redis = request.getfixturevalue("redis_url")
         broker_env = {"CL_BROKER_URL": redis, "CL_RESULT_BACKEND": redis}
+    elif broker == "amqp":
+        # No result backend: RabbitMQ is the broker only, as in most deployments.
+        broker_env = {"CL_BROKER_URL": request.getfixturevalue("amqp_url")}
     else:
         folder = tmp_path / "broker"
         (folder / "control").mkdir(parents=True)

@@ -137,6 +137,17 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
             engine.dispose()  # no connection keeps the trace callback
 
 
+def queue_for(
+    name: str, arguments: dict[str, Any] | None = None, exchange_type: str = "direct"
+) -> Any:
+    """The task queue ``name`` on its own exchange (of ``exchange_type``), declared with
+    ``arguments``."""
+    from kombu import Exchange, Queue
+
+    exchange = Exchange(name, type=exchange_type)
+    return Queue(name, exchange, routing_key=name, queue_arguments=arguments)
+
+
 class Worker:
     """One ``celery worker`` process group started by a test, stopped by its PID."""
 

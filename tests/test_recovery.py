@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.cluster import AMQP_ID, AMQP_SETUP, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import wait_for
 
 FAST_RETRY = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
@@ -15,6 +15,12 @@ SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], 
 PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+TWO_SETUPS_AND_AMQP = pytest.mark.parametrize(
+    "cluster",
+    [SETUPS[0], SETUPS[2], AMQP_SETUP],
+    ids=[SETUP_IDS[0], SETUP_IDS[2], AMQP_ID],
+    indirect=True,
 )
 
 
@@ -49,7 +55,7 @@ def test_attempts_exhausted_end_failed_with_sanitized_error(cluster: Cluster) ->
     assert not any("s3cr3t-pw" in line for line in lease_lines)
 
 
-@TWO_SETUPS
+@TWO_SETUPS_AND_AMQP
 @pytest.mark.timeout(120)
 def test_kill9_worker_run_recovered_by_sweeper(cluster: Cluster) -> None:
     """kill -9 a worker mid-run: beat's sweeper re-enqueues it after expiry; one commit."""

@@ -3,7 +3,8 @@
 Each test runs on three set-ups: SQLite + filesystem broker (the embedded
 default), SQLite + Redis, PostgreSQL + Redis. A representative subset (the plain
 run, a duplicate delivery, a takeover after SIGSTOP) also runs on PostgreSQL
-behind PgBouncer in transaction mode.
+behind PgBouncer in transaction mode; the plain run and the duplicate delivery
+also on PostgreSQL + RabbitMQ.
 """
 
 from __future__ import annotations
@@ -15,16 +16,32 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import PGBOUNCER_ID, PGBOUNCER_SETUP, SETUP_IDS, SETUPS, Cluster
+from tests.cluster import (
+    AMQP_ID,
+    AMQP_SETUP,
+    PGBOUNCER_ID,
+    PGBOUNCER_SETUP,
+    SETUP_IDS,
+    SETUPS,
+    Cluster,
+)
 from tests.helpers import REPO, Worker, wait_for
 
 #: The three set-ups plus PostgreSQL behind PgBouncer (transaction pooling).
 WITH_PGBOUNCER = pytest.mark.parametrize(
     "cluster", [*SETUPS, PGBOUNCER_SETUP], ids=[*SETUP_IDS, PGBOUNCER_ID], indirect=True
 )
+#: The same, and PostgreSQL + RabbitMQ. (Not for SIGSTOP: RabbitMQ pushes a duplicate to
+#: the stopped worker's free prefetch slot, where it waits until that worker resumes.)
+WITH_PGBOUNCER_AND_AMQP = pytest.mark.parametrize(
+    "cluster",
+    [*SETUPS, PGBOUNCER_SETUP, AMQP_SETUP],
+    ids=[*SETUP_IDS, PGBOUNCER_ID, AMQP_ID],
+    indirect=True,
+)
 
 
-@WITH_PGBOUNCER
+@WITH_PGBOUNCER_AND_AMQP
 @pytest.mark.timeout(90)
 def test_task_succeeds_with_attempt_one(cluster: Cluster) -> None:
     """A plain run ends succeeded, attempt 1, with one committed effect."""
@@ -36,7 +53,7 @@ def test_task_succeeds_with_attempt_one(cluster: Cluster) -> None:
     assert len(cluster.effects(run_id, "commit")) == 1
 
 
-@WITH_PGBOUNCER
+@WITH_PGBOUNCER_AND_AMQP
 @pytest.mark.timeout(120)
 def test_duplicate_delivery_runs_body_once(cluster: Cluster) -> None:
     """The same task id delivered twice while the first runs: the body runs once."""

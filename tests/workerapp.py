@@ -18,7 +18,7 @@ from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
 from celery_lease.app import shutting_down
 from celery_lease.store import WaitBounds, create_lease_engine
-from tests.helpers import plain_engine
+from tests.helpers import plain_engine, queue_for
 
 if os.environ.get("CL_CLOCK_SKEW"):
     # Chaos: this process's wall clock is wrong by CL_CLOCK_SKEW seconds. Leases
@@ -57,6 +57,18 @@ if os.environ.get("CL_LOST_POLICY"):
 if os.environ.get("CL_BAD_SETTING"):
     key, _, value = os.environ["CL_BAD_SETTING"].partition("=")
     app.conf[key] = float(value) if value.lstrip("-").replace(".", "").isdigit() else value
+if app.conf.broker_url.startswith("amqp"):
+    # The tests share one RabbitMQ vhost: remote control on this test's own exchange.
+    app.conf.control_exchange = f"{app.conf.task_default_queue}.ctl"
+if os.environ.get("CL_QUEUE_ARGS"):
+    # The test's queue declared with arguments, e.g. a RabbitMQ quorum queue.
+    app.conf.task_queues = [
+        queue_for(
+            app.conf.task_default_queue,
+            json.loads(os.environ["CL_QUEUE_ARGS"]),
+            os.environ.get("CL_QUEUE_EXCHANGE_TYPE", "direct"),
+        )
+    ]
 if os.environ.get("CL_RESULT_BACKEND"):
     app.conf.result_backend = os.environ["CL_RESULT_BACKEND"]
 if os.environ.get("CL_CONF"):
@@ -71,7 +83,7 @@ if os.environ.get("CL_FS_DIR"):
         "data_folder_out": folder,
         "control_folder": os.path.join(folder, "control"),
     }
-if os.environ.get("CL_VISIBILITY_TIMEOUT"):
+if os.environ.get("CL_VISIBILITY_TIMEOUT") and app.conf.broker_url.startswith("redis"):
     # A short visibility timeout makes Redis redeliver unacked (acks_late)
     # messages quickly, reproducing Celery's duplicate deliveries.
     app.conf.broker_transport_options = {

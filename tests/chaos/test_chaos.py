@@ -1,4 +1,5 @@
-"""Chaos scenarios on PostgreSQL + Redis (acks_late, short visibility timeout).
+"""Chaos scenarios on PostgreSQL + Redis (acks_late, short visibility timeout); the
+kill -9 scenario also on PostgreSQL + RabbitMQ (acks_late: redelivery on connection close).
 
 Each scenario prints one summary line and asserts, per run: succeeded, exactly
 one committed effect (written with ``fence(complete=True)``), and an attempt
@@ -19,7 +20,15 @@ from typing import Any
 import pytest
 
 from tests.chaos.history import History, check, guarded_overlaps
-from tests.cluster import PGBOUNCER_ID, PGBOUNCER_SETUP, SETUP_IDS, SETUPS, Cluster
+from tests.cluster import (
+    AMQP_ID,
+    AMQP_SETUP,
+    PGBOUNCER_ID,
+    PGBOUNCER_SETUP,
+    SETUP_IDS,
+    SETUPS,
+    Cluster,
+)
 from tests.helpers import Worker, require, wait_for
 from tests.proxy import Proxy
 
@@ -28,6 +37,13 @@ pytestmark = pytest.mark.chaos
 ON_PG = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 ON_PG_AND_PGBOUNCER = pytest.mark.parametrize(
     "cluster", [SETUPS[2], PGBOUNCER_SETUP], ids=[SETUP_IDS[2], PGBOUNCER_ID], indirect=True
+)
+#: The same, and PostgreSQL + RabbitMQ.
+ON_PG_PGBOUNCER_AND_AMQP = pytest.mark.parametrize(
+    "cluster",
+    [SETUPS[2], PGBOUNCER_SETUP, AMQP_SETUP],
+    ids=[SETUP_IDS[2], PGBOUNCER_ID, AMQP_ID],
+    indirect=True,
 )
 
 TIMING = {
@@ -76,22 +92,29 @@ def pg_control() -> Iterator[tuple[str, str]]:
     yield str(data), bin_dir
 
 
-@ON_PG_AND_PGBOUNCER
+@ON_PG_PGBOUNCER_AND_AMQP
 @pytest.mark.timeout(400)
 def test_kill9_random_workers_during_300_runs(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """300 runs over 3 workers while a driver kill -9s a random worker every few
-    seconds and restarts it: every run commits exactly once."""
+    seconds and restarts it: every run commits exactly once.
+
+    On RabbitMQ no sweeper runs: its redelivery on connection close alone must bring
+    every killed run back, claimed only once the dead worker's lease has expired."""
     rng = random.Random(20261202)
     workers = [cluster.start(f"w{i}", conf=CONF, **TIMING) for i in range(3)]
-    cluster.start_beat(SWEEP)
+    if not cluster.amqp:
+        cluster.start_beat(SWEEP)
     run_ids = [cluster.send("workerapp.effect", rng.uniform(0.2, 0.5)) for _ in range(300)]
     kills = kill_randomly(cluster, workers, rng)
     wait_for(lambda: all_terminal(cluster, run_ids), 240, interval=1.0, what="all 300 runs")
     history = check(cluster, run_ids)
     assert kills >= 5
-    report(capsys, f"kill9 x{kills}", history)
+    busy = sum(log.count("held by another worker") for log in _logs(cluster))
+    report(
+        capsys, f"kill9 x{kills}" + (f" busy_redeliveries={busy}" if cluster.amqp else ""), history
+    )
 
 
 @ON_PG
@@ -305,6 +328,11 @@ def test_kill9_during_100_chains_of_3_leased_steps(
     assert kills >= 5
     assert unresolved == []
     report(capsys, f"canvas kill9 x{kills}: 100 chains x 3", history)
+
+
+def _logs(cluster: Cluster) -> list[str]:
+    """The logs of every worker the cluster started (killed ones included)."""
+    return [w.log() for w in cluster._workers]
 
 
 def _pids(worker: Worker) -> set[int]:
