@@ -353,8 +353,10 @@ def _payload_text(record: RunRecord, size: int | None) -> str:
     """What ``show`` says about the stored message."""
     if size is not None:
         return f"{size} bytes (use --payload to print)"
-    if record.terminal:
-        return "cleared (run finished: its arguments are not kept)"
+    if record.status == SUCCEEDED:
+        return "cleared (run succeeded: its arguments are not kept)"
+    if record.failure_code in ("expired", "payload_not_accepted"):
+        return f"cleared (the message was refused: {record.failure_code})"
     return "- (none stored: a direct call or eager apply(), never sent to workers)"
 
 
@@ -610,23 +612,23 @@ def rerun(
         raise
     tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
     try:
-        if after.payload is not None:
-            requeue(app, after)
-        elif publish:
+        if publish:
             task.apply_async(args or [], kwargs or {}, task_id=task_id)
+        elif after.payload is not None:
+            requeue(app, after)
     except Exception as exc:
         raise _Failure(
             f"run {run_id} is queued again ({tries}) but could not be published "
             f"({describe_exception(exc)}): send {record.task_name} again under task id "
             f"{task_id}, or `lease cancel {run_id}` to undo"
         ) from None
-    if after.payload is not None:
-        click.echo(f"run {run_id} is queued again ({tries}) and published from its stored message")
-    elif publish:
+    if publish:
         click.echo(
             f"run {run_id} is queued again ({tries}) and published as task {task_id} "
             "with the given arguments"
         )
+    elif after.payload is not None:
+        click.echo(f"run {run_id} is queued again ({tries}) and published from its stored message")
     else:
         how = (
             f"send {record.task_name} again with arguments that give this run's lease_key"
@@ -634,8 +636,8 @@ def rerun(
             else f"send {record.task_name} again with task_id={task_id!r}"
         )
         click.echo(
-            f"run {run_id} is queued again ({tries}), but a finished run keeps no task "
-            f"arguments, so nothing was published: {how}, or use "
+            f"run {run_id} is queued again ({tries}), but it has no stored message "
+            f"(a succeeded run keeps no task arguments), so nothing was published: {how}, or use "
             f"`lease rerun` with --args/--kwargs next time (`lease cancel {run_id}` undoes this)"
         )
 

@@ -77,7 +77,9 @@ ClaimOutcome = Literal["claimed", "busy", "finished"]
 #: Rows one retention statement deletes at most: a short transaction on every dialect.
 PURGE_BATCH = 1000
 
-#: A terminal run keeps no stored message: task arguments are often personal data.
+#: A succeeded run keeps no stored message: task arguments are often personal data. A
+#: failed or cancelled one keeps it until retention deletes the row, so that
+#: ``celery lease rerun`` can publish it again (docs/security.md says so).
 _CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
 LeaseKey = tuple[str, str, int]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -1169,7 +1171,6 @@ class LeaseStore:
                 lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
                 finished_at=now,
                 updated_at=now,
-                **_CLEARED_MESSAGE,
             )
         )
         with self._auto.connect() as conn:
@@ -1195,7 +1196,6 @@ class LeaseStore:
             "lease_expires_at": now,
             "finished_at": now,
             "updated_at": now,
-            **_CLEARED_MESSAGE,
         }
         stmt = (
             update(runs)
@@ -1374,7 +1374,8 @@ class LeaseStore:
 
         Guarded like :meth:`complete`. Returns the new status. ``message``
         (payload, content type) replaces the stored message of a retrying run,
-        e.g. with the retry Celery published; a failed run's message is cleared.
+        e.g. with the retry Celery published; a failed run keeps its message for
+        ``lease rerun``.
         """
         now = db_now_ms()
         status = FAILED if retry_in is None else RETRYING
@@ -1386,7 +1387,7 @@ class LeaseStore:
         }
         values["lease_expires_at"] = now
         if retry_in is None:
-            values.update(finished_at=now, **_CLEARED_MESSAGE)
+            values.update(finished_at=now)
         else:
             values["available_at"] = now + round(retry_in * 1000)
             if message is not None:
@@ -1422,8 +1423,9 @@ class LeaseStore:
     ) -> None:
         """End a held run in the terminal ``status`` the body chose (Ignore, Reject, replace).
 
-        Guarded like :meth:`complete`; the stored message is cleared, so no sweep
-        ever publishes the run again.
+        Guarded like :meth:`complete`. No sweep publishes a terminal run again; its
+        stored message is cleared when it succeeded (replace), kept for ``lease rerun``
+        otherwise.
         """
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"end() takes a terminal status, not {status!r}")
@@ -1439,7 +1441,7 @@ class LeaseStore:
             lease_expires_at=now,
             finished_at=now,
             updated_at=now,
-            **_CLEARED_MESSAGE,
+            **(_CLEARED_MESSAGE if status == SUCCEEDED else {}),
         )
 
     @_db_errors
@@ -1487,7 +1489,6 @@ class LeaseStore:
             lease_expires_at=now,
             finished_at=now,
             updated_at=now,
-            **_CLEARED_MESSAGE,
         )
 
     # -- recovery -------------------------------------------------------------
@@ -1613,11 +1614,10 @@ class LeaseStore:
         values: dict[str, Any] = {"updated_at": now, "lease_expires_at": now}
         if record.cancel_requested_at is not None:
             status = CANCELLED
-            values.update(failure_code="cancelled", finished_at=now, **_CLEARED_MESSAGE)
+            values.update(failure_code="cancelled", finished_at=now)
         elif record.attempt >= record.max_attempts:
             status = FAILED
             values.update(
-                _CLEARED_MESSAGE,
                 failure_code="lease_expired",
                 last_error=f"lease expired on attempt {record.attempt} of {record.max_attempts}"
                 " (worker lost or stalled)",
@@ -1765,7 +1765,6 @@ class LeaseStore:
                 lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
                 finished_at=now,
                 updated_at=now,
-                **_CLEARED_MESSAGE,
             )
         )
         request = (

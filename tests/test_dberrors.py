@@ -231,7 +231,7 @@ def test_end_unclaimed_fails_free_runs_and_leaves_live_leases(store: LeaseStore)
     store.expire("held")
     assert store.end_unclaimed("held", **end) == "failed"  # type: ignore[arg-type]
     row = store.get("held")
-    assert row is not None and row.payload is None and row.finished_at is not None
+    assert row is not None and row.payload == b"p" and row.finished_at is not None
     done = _claim(store, "done")
     store.complete("done", "owner:1:x", done.attempt)  # type: ignore[attr-defined]
     assert store.end_unclaimed("done", **end) == "succeeded"  # type: ignore[arg-type]

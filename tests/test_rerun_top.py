@@ -141,15 +141,16 @@ def test_activity_and_live_leases_count_by_index_ranges(store: LeaseStore) -> No
 @TWO_SETUPS
 @pytest.mark.timeout(120)
 def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> None:
-    """A run failed with attempts spent is rerun with --args and succeeds on attempt 3."""
+    """A run failed with attempts spent kept its message; rerun publishes it and it
+    succeeds on attempt 3, under the caller's task id."""
     cluster.start("w1", conf=FAST)
     run_id = cluster.send("workerapp.flaky", 2)
     wait_for(lambda: cluster.status(run_id) == "failed", 60, what="run to fail")
     row = cluster.store.get(run_id)
-    assert row is not None and row.attempt == 2 and row.payload is None
-    proc = lease_cli(cluster, "rerun", run_id, "--args", "[2]", conf=FAST)
+    assert row is not None and row.attempt == 2 and row.payload is not None
+    proc = lease_cli(cluster, "rerun", run_id, conf=FAST)
     assert proc.returncode == 0, proc.stderr
-    assert "queued again (attempts 3..4) and published" in proc.stdout
+    assert "queued again (attempts 3..4) and published from its stored message" in proc.stdout
     wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="rerun to succeed")
     row = cluster.store.get(run_id)
     assert row is not None and row.attempt == 3 and row.failure_code is None
@@ -160,22 +161,35 @@ def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> N
 @TWO_SETUPS
 @pytest.mark.timeout(120)
 def test_rerun_of_cancelled_run_waits_for_the_task_sent_again(cluster: Cluster) -> None:
-    """A cancelled run, rerun without arguments, is queued; the same task id sent again runs."""
+    """A cancelled run kept its message: rerun publishes it and the body runs again
+    (attempt 2); a succeeded run rerun with --force has none, so it waits for the task
+    sent again under its task id."""
     cluster.start("w1", conf=FAST)
     run_id = cluster.send("workerapp.watch", 30.0)
     wait_for(lambda: cluster.effects(run_id, "start"), 30, what="body to start")
     assert lease_cli(cluster, "cancel", run_id).returncode == 0
     wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="run to be cancelled")
+    assert cluster.store.get(run_id).payload is not None  # type: ignore[union-attr]
     proc = lease_cli(cluster, "rerun", run_id, conf=FAST)
     assert proc.returncode == 0, proc.stderr
-    assert "nothing was published" in proc.stdout and f"task_id={run_id!r}" in proc.stdout
-    row = cluster.store.get(run_id)
+    assert "published from its stored message" in proc.stdout
+    wait_for(lambda: len(cluster.effects(run_id, "start")) == 2, 30, what="the rerun to start")
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
+    assert lease_cli(cluster, "cancel", run_id).returncode == 0
+    wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="rerun to be cancelled")
+
+    done = cluster.send("workerapp.watch", 0.1)
+    wait_for(lambda: cluster.status(done) == "succeeded", 30, what="run to succeed")
+    assert cluster.store.get(done).payload is None  # type: ignore[union-attr]
+    proc = lease_cli(cluster, "rerun", done, "--force", conf=FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing was published" in proc.stdout and f"task_id={done!r}" in proc.stdout
+    row = cluster.store.get(done)
     assert row is not None and row.status == "queued" and row.cancel_requested_at is None
-    cluster.send("workerapp.watch", 0.1, task_id=run_id)
-    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="rerun to succeed")
-    row = cluster.store.get(run_id)
+    cluster.send("workerapp.watch", 0.1, task_id=done)
+    wait_for(lambda: cluster.status(done) == "succeeded", 60, what="rerun to succeed")
+    row = cluster.store.get(done)
     assert row is not None and row.attempt == 2
-    assert [e.kind for e in cluster.effects(run_id)] == ["start", "saw_cancel", "start"]
 
 
 @pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)

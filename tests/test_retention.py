@@ -391,14 +391,26 @@ TERMINAL_PATHS = {
 }
 
 
+#: The paths that clear the message: a success, and a message refused as expired.
+#: Every other ending (failed, cancelled) keeps it for `celery lease rerun`.
+CLEARING_PATHS = {"complete", "fence_complete", "expired_message"}
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("path", sorted(TERMINAL_PATHS))
-def test_every_terminal_path_clears_the_stored_message(store: LeaseStore, path: str) -> None:
-    """Whatever ends a run, its stored message (task arguments) and content type are gone."""
+def test_terminal_paths_clear_the_message_on_success_and_keep_it_for_rerun(
+    store: LeaseStore, path: str
+) -> None:
+    """A succeeded run's stored message (task arguments) and content type are gone; a
+    failed or cancelled run keeps them until retention deletes the row."""
     status = TERMINAL_PATHS[path](store)
     row = store.get("r")
     assert row is not None and row.status == status and row.terminal
-    assert (row.payload, row.payload_content_type) == (None, None)
+    if path in CLEARING_PATHS:
+        assert (row.payload, row.payload_content_type) == (None, None)
+    else:
+        assert status in ("failed", "cancelled")
+        assert row.payload is not None and row.payload_content_type is not None
 
 
 # -- a duplicate after its row is purged runs again (real worker) ----------------
@@ -500,7 +512,7 @@ def test_show_says_a_finished_runs_arguments_were_cleared(cli: tuple[Cli, LeaseS
     _claim(store, "live")
     assert "payload" in run.ok("show", "done")
     line = next(x for x in run.ok("show", "done").splitlines() if x.startswith("payload "))
-    assert "cleared (run finished" in line
+    assert "cleared (run succeeded" in line
     live = next(x for x in run.ok("show", "live").splitlines() if x.startswith("payload "))
     assert "bytes (use --payload to print)" in live
     assert json.loads(run.ok("show", "done", "--json"))["payload_cleared"] is True
