@@ -17,8 +17,8 @@ Measured, each the median of several calls unless said otherwise:
 
 - one sweep (``celery_lease.sweeper.sweep``: expired leases, stranded runs, then
   retention) with nothing due (``lease_retention`` = 15 days), with one batch
-  due (the per-sweep limit set to one batch), and at the default per-sweep
-  limit (10 batches);
+  due (the per-sweep limit set to one batch), and facing a backlog with its
+  defaults (at most 10 batches, none started past its 25 ms time budget);
 - one purge batch (``LeaseStore.purge_finished``, 1,000 rows): ms and rows/s;
 - ``celery lease stats`` (``LeaseStore.stats``) and a dry-run count;
 - a claim's latency (new run id, ``LeaseStore.claim``) while another process
@@ -326,7 +326,8 @@ def report(results: list[dict[str, Any]], finished: int, live: int) -> str:
     lines = [
         f"{finished:,} finished rows (finished over the last 14 days, half of them older "
         f"than `lease_retention` = 7 days) + {live:,} live ones; batches of {PURGE_BATCH:,} "
-        f"rows; the sweep's per-sweep limit is {retention.SWEEP_PURGE_LIMIT:,} rows.",
+        f"rows; a sweep deletes at most {retention.SWEEP_PURGE_LIMIT:,} rows and starts no "
+        f"batch past {retention.SWEEP_PURGE_BUDGET * 1000:.0f} ms of deleting.",
         "",
         "| measure | " + " | ".join(r["name"] for r in results) + " | target |",
         "| --- | " + " | ".join("---" for _ in results) + " | --- |",
@@ -339,7 +340,7 @@ def report(results: list[dict[str, Any]], finished: int, live: int) -> str:
     row("bulk load (s)", "fill_s", "{:.1f}")
     row("sweep, nothing due (ms)", "sweep_idle_ms", "{:.1f}", "<= 50 ms")
     row("sweep deleting one batch (ms)", "sweep_batch_ms", "{:.1f}", "<= 50 ms")
-    row("sweep at its limit (ms)", "sweep_full_ms", "{:.1f}")
+    row("sweep facing a backlog (ms)", "sweep_full_ms", "{:.1f}", "<= 50 ms")
     row("rows deleted by that sweep", "sweep_full_rows", "{:,}")
     row("purge batch (ms)", "batch_ms", "{:.1f}")
     row("purge rows/s (one batch)", "batch_rows_s", "{:,.0f}")
@@ -383,6 +384,7 @@ def verdicts(results: list[dict[str, Any]]) -> list[str]:
         checks = [
             ("sweep <= 50 ms (nothing due)", r["sweep_idle_ms"] <= 50),
             ("sweep <= 50 ms (one batch due)", r["sweep_batch_ms"] <= 50),
+            ("sweep <= 50 ms (backlog)", r["sweep_full_ms"] <= 50),
             ("claim p50 during `lease purge` <= 2x idle", r["ratio"] <= 2),
             ("no seq scan of the table in any plan", r["seq_scans"] == 0),
         ]
@@ -417,12 +419,13 @@ def section(body: str, results: list[dict[str, Any]], command: str, settings: st
         "",
         body.split("\n### Plans", 1)[0].rstrip(),
         "",
-        "*Sweep at its limit* is a sweep facing a backlog: it deletes its 10,000 rows in 10 "
-        "batches, each its own transaction, and takes more than 50 ms, so for that case the "
-        "sweep target is **missed**. Its time grows with the rows it deletes, not with the "
-        "table; a sweep stays within 50 ms while at most about 3 batches (PostgreSQL here) "
-        "are due per `lease_sweep_interval`, i.e. about 50 finished runs/s at the default 60 "
-        "s. Faster deployments: shorten the interval or run `celery lease purge` from cron. "
+        "*Sweep facing a backlog*: the sweep deletes batches, each its own transaction, "
+        "until the next one would end past its 25 ms deleting budget (judged by the batch "
+        "before) or it has deleted 10,000 rows, so its time stays bounded whatever the "
+        "backlog; *rows deleted by that sweep* is what it managed. The rest waits for the "
+        "next sweep: at the default 60 s interval a sweep keeps up with a few thousand "
+        "finished runs a minute. Faster deployments: shorten `lease_sweep_interval` or run "
+        "`celery lease purge` from cron. "
         "`--no-throttle` costs PostgreSQL claims more than 2x (p50) on this 2-core machine, "
         "which is why `celery lease purge` throttles by default. `lease stats` counts every "
         "row per status from the status index (an index-only scan, not the table): about "

@@ -25,10 +25,13 @@ logger = logging.getLogger(__name__)
 #: The finished statuses, in the order they are purged and reported.
 FINISHED = (SUCCEEDED, FAILED, CANCELLED)
 
-#: Rows one sweep deletes at most: ten batches (at the default 60 s interval,
-#: about 14 million rows a day). A larger backlog is drained over later sweeps,
-#: or at once with ``celery lease purge``.
+#: Rows one sweep deletes at most: ten batches. A larger backlog is drained over
+#: later sweeps, or at once with ``celery lease purge``.
 SWEEP_PURGE_LIMIT = 10 * PURGE_BATCH
+
+#: Seconds of deleting one sweep may spend: no batch starts that would end past
+#: it (judged by the batch before), so a sweep facing a backlog stays short.
+SWEEP_PURGE_BUDGET = 0.025
 
 
 @dataclasses.dataclass
@@ -53,6 +56,7 @@ def purge(
     limit: int | None = None,
     progress: Callable[[PurgeReport], None] | None = None,
     throttle: bool = False,
+    budget: float | None = None,
 ) -> PurgeReport:
     """Delete rows of ``statuses`` finished more than ``older_than`` seconds ago (DB clock).
 
@@ -61,7 +65,8 @@ def purge(
     is called after each batch. Live rows are never touched. With ``throttle``
     each batch is followed by a pause as long as the batch took, so a long
     purge spends at most half its time in the database and claims keep their
-    latency.
+    latency. With ``budget`` (seconds), no batch starts that would, at the pace
+    of the batch before it, end past the budget; the first batch always runs.
 
     Raises:
         ValueError: a status that is not finished, or a bad age, batch or limit.
@@ -77,13 +82,18 @@ def purge(
     older_than_ms = round(older_than * 1000)
     report = PurgeReport()
     pending = list(wanted)
+    began = time.monotonic()
+    last = 0.0  # how long the batch before took
     while pending:
         for status in list(pending):
             size = batch if limit is None else min(batch, limit - report.total)
             if size < 1:
                 return report
             started = time.monotonic()
+            if budget is not None and started - began + last > budget:
+                return report
             removed = store.purge_finished(status, older_than_ms, size)
+            last = time.monotonic() - started
             if throttle and removed == size:  # more to come: leave the database be a while
                 time.sleep(time.monotonic() - started)
             report.removed[status] += removed
@@ -106,9 +116,13 @@ def count(store: LeaseStore, older_than: float, statuses: Iterable[str] = FINISH
 
 
 def sweep_retention(
-    store: LeaseStore, retention: float | None, limit: int = SWEEP_PURGE_LIMIT
+    store: LeaseStore,
+    retention: float | None,
+    limit: int = SWEEP_PURGE_LIMIT,
+    budget: float | None = SWEEP_PURGE_BUDGET,
 ) -> PurgeReport:
-    """The sweeper's retention step: at most ``limit`` rows older than ``retention`` s.
+    """The sweeper's retention step: at most ``limit`` rows older than ``retention`` s,
+    in batches started within ``budget`` seconds.
 
     ``None`` keeps every row. A database error is logged (``purge_error``) and
     leaves the rest for the next sweep: retention never stops recovery.
@@ -117,7 +131,7 @@ def sweep_retention(
     if retention is None:
         return report
     try:
-        report = purge(store, retention, limit=limit)
+        report = purge(store, retention, limit=limit, budget=budget)
     except LeaseError as exc:
         emit(
             "purge_error",

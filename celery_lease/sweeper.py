@@ -13,7 +13,7 @@ from kombu.serialization import loads, prepare_accept_content
 from .config import LeaseConfig
 from .errors import LeaseError
 from .events import emit
-from .retention import SWEEP_PURGE_LIMIT, sweep_retention
+from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
 from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
@@ -195,6 +195,7 @@ def sweep(
     limit: int = 500,
     stale_after: float | None = None,
     purge_limit: int = SWEEP_PURGE_LIMIT,
+    purge_budget: float | None = SWEEP_PURGE_BUDGET,
 ) -> SweepReport:
     """Recover expired and stranded runs once, then apply ``lease_retention``.
 
@@ -203,7 +204,7 @@ def sweep(
     ``stale_after`` seconds (default: sweep interval + lease length) without a
     claim are re-enqueued too, since their message was lost. Last, at most
     ``purge_limit`` finished rows older than ``lease_retention`` are deleted,
-    in batches (0 skips the step).
+    in batches started within ``purge_budget`` seconds (0 rows skips the step).
     """
     from .app import store_for
 
@@ -231,7 +232,7 @@ def sweep(
         stale_after = config.sweep_interval + config.lease_seconds
     requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
     if purge_limit:
-        report.purged = sweep_retention(store, config.retention, purge_limit).removed
+        report.purged = sweep_retention(store, config.retention, purge_limit, purge_budget).removed
     return report
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -177,15 +178,42 @@ def test_sweeper_deletes_expired_rows_up_to_its_limit_per_sweep(db_url: str) -> 
         _finish(store, "young", "succeeded")
         _old_live_row(store, "live", "running")
         app = _app(db_url, lease_retention=timedelta(hours=1))
-        first = sweep(app, store, purge_limit=4)
+        first = sweep(app, store, purge_limit=4, purge_budget=None)
         assert sum(first.purged.values()) == 4
-        second = sweep(app, store, purge_limit=4)
+        second = sweep(app, store, purge_limit=4, purge_budget=None)
         assert first.purged["succeeded"] + second.purged["succeeded"] == 5
         assert first.purged["failed"] + second.purged["failed"] == 1
-        assert sweep(app, store).purged == {"succeeded": 0, "failed": 0, "cancelled": 0}
+        third = sweep(app, store, purge_budget=None)
+        assert third.purged == {"succeeded": 0, "failed": 0, "cancelled": 0}
         assert store.get("young") is not None
         live = store.get("live")
         assert live is not None and live.status == "running"
+    finally:
+        store.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_sweep_retention_starts_no_batch_past_its_budget(sqlite_url: str) -> None:
+    """A sweep facing a backlog stops deleting once another batch would overrun its
+    time budget (here every batch takes 30 ms, the budget is 25 ms: one batch runs);
+    the rest waits for the next sweep."""
+    store = LeaseStore.from_url(sqlite_url)
+    store.create_schema()
+    for i in range(6):
+        _finish(store, f"s{i}", "succeeded")
+        _age(store, f"s{i}", 2 * HOUR_MS)
+    real = store.purge_finished
+
+    def slow(status: str, older_than_ms: int, limit: int) -> int:
+        time.sleep(0.03)
+        return real(status, older_than_ms, limit)
+
+    store.purge_finished = slow  # type: ignore[method-assign]
+    try:
+        report = retention.purge(store, 3600, batch=2, budget=0.025)
+        assert (report.batches, report.total) == (1, 2)
+        report = retention.purge(store, 3600, batch=2, budget=None)
+        assert report.total == 4
     finally:
         store.dispose()
 
