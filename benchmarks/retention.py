@@ -426,8 +426,9 @@ def section(body: str, results: list[dict[str, Any]], command: str, settings: st
         "next sweep: at the default 60 s interval a sweep keeps up with a few thousand "
         "finished runs a minute. Faster deployments: shorten `lease_sweep_interval` or run "
         "`celery lease purge` from cron. "
-        "`--no-throttle` costs PostgreSQL claims more than 2x (p50) on this 2-core machine, "
-        "which is why `celery lease purge` throttles by default. `lease stats` counts every "
+        "`--no-throttle` can cost PostgreSQL claims more than 2x (p50) on this busy 2-core "
+        "machine (3.5x in an earlier run the same day), which is why `celery lease purge` "
+        "throttles by default. `lease stats` counts every "
         "row per status from the status index (an index-only scan, not the table): about "
         "70 to 120 ms per million rows, which retention is what bounds; its other statements "
         "read live rows and recent failures only.",
