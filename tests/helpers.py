@@ -152,6 +152,7 @@ class Worker:
         extra_args: tuple[str, ...] = (),
         command: list[str] | None = None,
         node: str | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.log_path = log_path
         self.name = name
@@ -187,7 +188,7 @@ class Worker:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            cwd=str(REPO),
+            cwd=str(cwd or REPO),
         )
         self.pid = self.proc.pid
 
