@@ -28,7 +28,9 @@ class Channel(filesystem.Channel):
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
-        partial = final + ".part"  # ends in .part: never matches a queue's .msg suffix
+        # No ".<queue>.msg" anywhere in the name: kombu before 5.5 takes every file whose
+        # name merely contains it (later versions compare the whole suffix).
+        partial = os.path.join(self.data_folder_out, f"{uuid.uuid4()}.part")
         with open(partial, "wb") as f:
             f.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]
         os.replace(partial, final)

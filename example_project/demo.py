@@ -100,8 +100,9 @@ class ProgressBar:
 class Demo:
     """One run of the demo in ``workdir``; :meth:`run` returns the exit status."""
 
-    def __init__(self, workdir: Path, orders: int, timeout: float) -> None:
+    def __init__(self, workdir: Path, orders: int, timeout: float, temporary: bool = False) -> None:
         self.workdir = workdir
+        self.temporary = temporary
         self.order_count = orders
         self.timeout = timeout
         self.batch = uuid.uuid4().hex[:6]
@@ -509,8 +510,9 @@ class Demo:
         self.say(f"  broker          {broker}")
         self.say(
             f"  lease {t.lease_seconds:g} s, heartbeat {t.lease_seconds / 3:g} s, "
-            f"sweeper every {t.sweep_interval:g} s; logs in {self.workdir}"
+            f"sweeper every {t.sweep_interval:g} s"
         )
+        self.say(f"  {workdir_note(self.workdir, self.temporary)}")
         self.prepare_database()
         alpha, _bravo = self.start()
         self.pause_past_lease(alpha)
@@ -571,6 +573,13 @@ class DemoOptions:
 MARKER = ".celery-lease-demo"
 
 
+def workdir_note(workdir: Path, temporary: bool) -> str:
+    """Where the logs are, and whether they outlive a successful run."""
+    if temporary:
+        return f"logs in {workdir} (removed after a successful run; --keep keeps them)"
+    return f"logs in {workdir} (kept)"
+
+
 def _workdir(requested: Path | None) -> Path:
     """A fresh directory for the demo's database, broker folder and logs."""
     if requested is None:
@@ -588,6 +597,7 @@ def _workdir(requested: Path | None) -> Path:
 
 def run(options: DemoOptions) -> int:
     """Run the demo; returns the process exit status."""
+    temporary = options.workdir is None and not options.keep
     try:
         workdir = _workdir(options.workdir)
     except DemoFailed as exc:
@@ -598,7 +608,7 @@ def run(options: DemoOptions) -> int:
     demo: Demo | None = None
     status = 1
     try:
-        demo = Demo(workdir, options.orders, options.timeout)
+        demo = Demo(workdir, options.orders, options.timeout, temporary)
         status = demo.run()
     except KeyboardInterrupt:
         status = 130
@@ -620,8 +630,11 @@ def run(options: DemoOptions) -> int:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, previous)
-    if status == 0 and options.workdir is None and not options.keep:
+    if status == 0 and temporary:
         shutil.rmtree(workdir, ignore_errors=True)
-    elif status != 0:
+        print(f"removed {workdir}; run with --keep to keep the logs and database", file=sys.stderr)
+    elif status == 0:
+        print(f"logs and database kept in {workdir}", file=sys.stderr)
+    else:
         print(f"logs and database kept in {workdir}", file=sys.stderr)
     return status

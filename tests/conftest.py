@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from celery.backends.database.models import ResultModelBase
+from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from celery_lease.store import LeaseStore
@@ -132,11 +134,18 @@ def cluster(
         folder = tmp_path / "broker"
         (folder / "control").mkdir(parents=True)
         # The embedded default: a database result backend (chords use chord_unlock).
+        results = f"db+sqlite:///{tmp_path / 'results.sqlite3'}"
         broker_env = {
             "CL_BROKER_URL": "filesystem://",
             "CL_FS_DIR": str(folder),
-            "CL_RESULT_BACKEND": f"db+sqlite:///{tmp_path / 'results.sqlite3'}",
+            "CL_RESULT_BACKEND": results,
         }
+        # Celery < 5.5 creates the result tables once per process, in the first
+        # database it opens: this test process, which reads results from a new
+        # file per test, needs them made here.
+        engine = create_engine(results.removeprefix("db+"))
+        ResultModelBase.metadata.create_all(engine)
+        engine.dispose()
     c = Cluster(str(db_url), broker_env, tmp_path, workers)
     yield c
     c.close()

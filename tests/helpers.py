@@ -163,6 +163,7 @@ class Worker:
         extra_args: tuple[str, ...] = (),
         command: list[str] | None = None,
         node: str | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.log_path = log_path
         self.name = name
@@ -198,7 +199,7 @@ class Worker:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            cwd=str(REPO),
+            cwd=str(cwd or REPO),
         )
         self.pid = self.proc.pid
 

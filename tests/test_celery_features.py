@@ -104,10 +104,12 @@ def test_hard_time_limit_attempts_are_recovered_then_fail(cluster: Cluster) -> N
 def test_rate_limit_applies_to_leased_runs(cluster: Cluster) -> None:
     """rate_limit: Celery spaces the bodies; every run is claimed once and succeeds."""
     cluster.start("w1", conf=FAST)
-    ids = [cluster.send("rated") for _ in range(3)]
-    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in ids), 40, what="3 runs")
+    ids = [cluster.send("rated") for _ in range(4)]
+    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in ids), 40, what="4 runs")
     starts = sorted(cluster.effects(i, "start")[0].at for i in ids)
-    assert starts[-1] - starts[0] >= 1.5  # 60/m: about one a second
+    # 60/m: about one a second. kombu's token bucket before 5.7 lets the first two through
+    # together after an idle period (plain Celery too), so four runs span at least 2 s.
+    assert starts[-1] - starts[0] >= 1.5
 
 
 @SQLITE_FS

@@ -183,6 +183,33 @@ def test_cancel_running_and_retrying_runs(cli: Cli, store: LeaseStore) -> None:
     assert_one_line_error(cli("cancel", "run-d"), "already succeeded")
 
 
+def test_cancel_of_a_finished_run_exit_status(cli: Cli, store: LeaseStore) -> None:
+    """`lease cancel` is idempotent on a cancelled run (exit 0, also for a repeated cancel
+    request on a running one) and an error (exit 1) on a succeeded or failed run."""
+    claim(store, "run-c")
+    store.cancel("run-c")
+    store.end("run-c", "host-run-c:4242:run-csecret", 1, status="cancelled", failure_code="x")
+    assert "is cancelled" in cli.ok("cancel", "run-c")
+    assert "is cancelled" in cli.ok("cancel", "run-c")
+    claim(store, "run-r")
+    assert "cancel requested" in cli.ok("cancel", "run-r")
+    assert "cancel requested" in cli.ok("cancel", "run-r")
+    claim(store, "run-s")
+    store.complete("run-s", "host-run-s:4242:run-ssecret", 1)
+    assert_one_line_error(cli("cancel", "run-s"), "run run-s already succeeded")
+    claim(store, "run-f", max_attempts=1)
+    store.fail(
+        "run-f", "host-run-f:4242:run-fsecret", 1, error="boom", failure_code="x", retry_in=None
+    )
+    assert_one_line_error(cli("cancel", "run-f"), "run run-f already failed")
+    statuses = {run_id: store.get(run_id) for run_id in ("run-c", "run-s", "run-f")}
+    assert {k: v.status for k, v in statuses.items() if v} == {
+        "run-c": "cancelled",
+        "run-s": "succeeded",
+        "run-f": "failed",
+    }
+
+
 def test_sweep_recovers_expired_leases_and_reports(cli: Cli, store: LeaseStore) -> None:
     """`lease sweep` re-enqueues an expired run, fails one with attempts spent, and says so."""
     claim(store, "run-x")

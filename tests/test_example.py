@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from example_project.demo import workdir_note
 from tests.helpers import REPO
 
 #: The demo's own deadline; the test waits a little longer for its clean-up.
@@ -84,6 +85,7 @@ def test_demo_on_embedded_default_captures_every_order_once(tmp_path: Path) -> N
     and its summary shows takeover, a refused stale completion and no double commit."""
     _, out, elapsed = run_demo(tmp_path)
     assert "sqlite:///" in out and "filesystem://" in out
+    assert f"logs in {tmp_path / 'demo'} (kept)" in out
     check_summary(out)
     assert elapsed < DEMO_TIMEOUT
 
@@ -99,3 +101,13 @@ def test_demo_on_postgresql_and_redis(tmp_path: Path, pg_url: str, redis_url: st
     assert "migrated" in out
     check_summary(out)
     assert elapsed < DEMO_TIMEOUT
+
+
+@pytest.mark.timeout(10)
+def test_demo_says_its_temporary_folder_goes_unless_keep() -> None:
+    """The demo's header says that a temporary work folder is removed after a successful
+    run and that --keep keeps it; a folder the user chose is kept."""
+    assert workdir_note(Path("/tmp/x"), temporary=True) == (
+        "logs in /tmp/x (removed after a successful run; --keep keeps them)"
+    )
+    assert workdir_note(Path("/tmp/x"), temporary=False) == "logs in /tmp/x (kept)"
