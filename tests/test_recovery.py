@@ -86,11 +86,11 @@ def test_warm_shutdown_lets_the_running_body_finish_under_its_lease(cluster: Clu
     the shutdown (so it would claim nothing new)."""
     timing = {"CL_LEASE_SECONDS": "20", "CL_HEARTBEAT": "1"}
     w1 = cluster.start("w1", **timing)
-    run_id = cluster.send("workerapp.drain", 4.0)
+    run_id = cluster.send("workerapp.drain", 30.0)  # ends 1 s after it sees the shutdown
     wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
     cluster.start("w2", **timing)
     w1.proc.terminate()  # SIGTERM to the main process only: a warm shutdown
-    wait_for(lambda: cluster.effects(run_id, "saw_shutdown"), 10, what="the child to see it")
+    wait_for(lambda: cluster.effects(run_id, "saw_shutdown"), 30, what="the child to see it")
     w1.proc.wait(30)
     wait_for(lambda: cluster.status(run_id) == "succeeded", 10, what="the run to succeed")
     time.sleep(1.0)  # a wrongly handed-back run would be claimed by w2 by now

@@ -365,7 +365,7 @@ def on_error(request: Any, exc: Any, traceback: Any, tag: str) -> None:
 @app.task(base=LeasedTask, bind=True, name="workerapp.drain", lease_interrupt=False)
 def drain(self: LeasedTask, seconds: float) -> str:
     """Run ``seconds`` without checking the lease; record when this process first sees
-    its worker shutting down, then the body's end."""
+    its worker shutting down (the body then ends a second later), then the body's end."""
     record(self.lease.run_id, self.lease.attempt, "start")
     end = time.monotonic() + seconds
     seen = False
@@ -373,6 +373,7 @@ def drain(self: LeasedTask, seconds: float) -> str:
         if not seen and shutting_down(app):
             seen = True
             record(self.lease.run_id, self.lease.attempt, "saw_shutdown")
+            end = min(end, time.monotonic() + 1.0)
         time.sleep(0.02)
     record(self.lease.run_id, self.lease.attempt, "body_end")
     return "drained"
