@@ -57,13 +57,13 @@ SWEEP = {"lease_sweep_interval": 1.0, **CONF}
 
 
 def kill_randomly(
-    cluster: Cluster, workers: list[Worker], rng: random.Random, seconds: float = 20.0
+    cluster: Cluster, workers: list[Worker], rng: random.Random, count: int = 6
 ) -> int:
-    """For ``seconds``, kill -9 a random worker every 2-4 s and start a fresh one in its
-    place; returns how many were killed."""
+    """``count`` times, kill -9 a random worker after 2-4 s and start a fresh one in its
+    place (bounded at 120 s, however slowly workers start); returns how many were killed."""
     kills = 0
-    stop_killing = time.monotonic() + seconds
-    while time.monotonic() < stop_killing:
+    stop_killing = time.monotonic() + 120.0
+    while kills < count and time.monotonic() < stop_killing:
         time.sleep(rng.uniform(2.0, 4.0))
         victim = rng.randrange(len(workers))
         workers[victim].kill9()
