@@ -1,13 +1,31 @@
-"""``LeasedTask``: the Celery task base class that runs each body under a lease."""
+"""``LeasedTask``: the Celery task base class that runs each body under a lease.
+
+``LeasedTask`` is a stack of layers, each one concern, so this class stays the
+call flow: :class:`~celery_lease.runids.TaskSettings` (settings, run ids, the
+stored message) < :class:`~celery_lease.republish.Republishing` (busy, claim
+errors, re-publish, the sweeper's copy) <
+:class:`~celery_lease.duplicates.DuplicateOutcomes` (a finished run's outcome) <
+:class:`~celery_lease.outcomes.RunOutcomes` (recording a body's end) < ``LeasedTask``.
+
+Celery internals we rely on, and why (none of them has a public equivalent):
+
+- ``request.replaced_task_nesting``: tells a replacement made by ``self.replace()``
+  from the run it replaces (it keeps the task id); see ``TaskSettings.run_id_of``.
+- ``Task.signature_from_request``: rebuilds the delivery's message as Celery
+  re-sends it (retry), for the re-publish and the sweeper's stored copy.
+- ``celery.utils.quorum_queues.detect_quorum_queues`` (Celery 5.5+): whether a
+  sub-second countdown would be refused by native delayed delivery.
+- ``celery.utils.serialization.raise_with_context``: raise ``exc`` as Celery's own
+  ``retry`` does once retries are spent.
+- ``Task.on_replace``: overridden (a documented hook) so the
+  replacement is published outside any interrupt.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 from typing import Any
 
 from celery import Celery
@@ -29,6 +47,7 @@ from .errors import (
 from .events import emit
 from .lease import Lease, LeaseInterrupt, _current, current_lease
 from .outcomes import COMPLETE_RETRY_SECONDS, RunOutcomes, _ceiling, _Replaced, _seconds_until
+from .owner import Owner, new_owner
 from .republish import (
     CLAIM_DB_RETRIES,
     DB_ERRORS_HEADER,
@@ -42,13 +61,6 @@ from .runids import MAX_RUN_ID_LENGTH, TaskSettings, fit_run_id, scoped_run_id
 from .schema import CANCELLED, FAILED, SUCCEEDED
 
 logger = logging.getLogger(__name__)
-
-
-def new_owner(hostname: str | None = None, worker: str | None = None) -> str:
-    """A fresh, unguessable owner: ``host:pid:uuid4`` (``host:pid:uuid4.worker-id`` in a worker)."""
-    host = hostname or socket.gethostname()
-    owner = f"{host[:120]}:{os.getpid()}:{uuid.uuid4().hex}"
-    return f"{owner}.{worker}" if worker else owner
 
 
 class LeasedTask(RunOutcomes):
@@ -65,11 +77,10 @@ class LeasedTask(RunOutcomes):
     max_retries = None
 
     @classmethod
-    def bind(cls, app: Celery) -> Any:
-        """Bind to ``app`` and :func:`install` celery-lease on it."""
-        bound = super().bind(app)
+    def on_bound(cls, app: Celery) -> None:
+        """Celery's hook once this task class is bound to ``app``: :func:`install` celery-lease."""
+        super().on_bound(app)
         install(app)
-        return bound
 
     @property
     def lease(self) -> Lease:
@@ -301,6 +312,7 @@ __all__ = [
     "RESULT_WAIT_TRIES",
     "DuplicateOutcomes",
     "LeasedTask",
+    "Owner",
     "Republishing",
     "RunOutcomes",
     "TaskSettings",
