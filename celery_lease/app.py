@@ -113,7 +113,7 @@ class WorkerInstance:
 def worker_id(app: Celery) -> str | None:
     """The id of the worker this process belongs to (main or pool child), else None.
 
-    ``task.new_owner`` appends it to every owner, so a worker hands back
+    ``Owner.new`` appends it to every owner, so a worker hands back
     exactly the leases its own processes took, whatever its node name.
     """
     instance: WorkerInstance | None = app.__dict__.get("_celery_lease_worker")

@@ -29,6 +29,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from .config import LeaseConfig
 from .errors import LeaseDatabaseError, LeaseError
+from .owner import Owner
 from .sanitize import describe_exception, safe_url, sanitize
 from .schema import (
     CANCELLED,
@@ -231,11 +232,7 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
 
 def _short_owner(owner: str | None) -> str:
     """``host:pid`` of an owner (its random part only matters to the guard)."""
-    if not owner:
-        return "-"
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    return f"{host}:{pid}" if pid else owner
+    return Owner.parse(owner).short() if owner else "-"
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +41,7 @@ from celery import Celery
 from .app import runtime_for, store_for
 from .config import LeaseConfig
 from .errors import LeaseError
+from .owner import Owner
 from .store import ClaimResult, HeartbeatResult, LeaseStore, RunNotFound, RunRecord
 
 __all__ = [
@@ -151,7 +151,7 @@ def steal_lease(store: LeaseStore, run_id: str, owner: str | None = None) -> Cla
     expire_lease(store, run_id)
     result = store.claim(
         run_id,
-        owner or f"thief:{os.getpid()}:{uuid.uuid4().hex}",
+        owner or Owner.new("thief").format(),
         task_name=record.task_name,
         lease_ms=record.lease_ms,
         max_attempts=max(record.max_attempts, record.attempt + 1),
@@ -176,7 +176,7 @@ def hold_lease(
     """Claim ``run_id`` as another worker, so a delivery of it finds the run busy."""
     result = store.claim(
         run_id,
-        owner or f"other-worker:{os.getpid()}:{uuid.uuid4().hex}",
+        owner or Owner.new("other-worker").format(),
         task_name=task_name,
         lease_ms=max(1, round(lease_seconds * 1000)),
         max_attempts=max_attempts,

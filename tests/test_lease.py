@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import celery_lease.interrupt as interrupt_module
 import celery_lease.lease as lease_module
 from celery_lease import Lease, LeaseLost, LeaseStore, testing
 from celery_lease.events import (
@@ -254,17 +255,17 @@ def test_async_exc_count_is_checked(
         calls.append((thread_id, exc))
         return answers.pop(0) if exc is not None else 1
 
-    monkeypatch.setattr(lease_module, "_set_async_exc", fake)
+    monkeypatch.setattr(interrupt_module, "_set_async_exc", fake)
     lease = held(sqlite_store, "r1", 30.0, interrupt=True)
     lease._thread_id = 12345  # as if a body ran in that thread
-    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.interrupt"):
         lease.mark_lost("test")
     assert calls == [(12345, LeaseInterrupt), (12345, None)]
     assert "reached 2 threads" in caplog.text
     gone = held(sqlite_store, "r2", 30.0, interrupt=True)
     gone._thread_id = 54321
     answers[:] = [0]
-    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.interrupt"):
         gone.mark_lost("test")
     assert gone._thread_id is None and "thread is gone" in caplog.text
 

@@ -1,0 +1,139 @@
+"""A delivery of a run that already ended: the outcome it reports instead of running."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import states
+from celery.exceptions import Ignore
+
+from .app import Runtime
+from .config import LeaseConfig
+from .errors import (
+    LeaseDatabaseError,
+    RunFailed,
+)
+from .events import emit
+from .republish import Republishing, busy_delay
+from .sanitize import describe_exception
+from .schema import CANCELLED, SUCCEEDED
+from .store import ClaimResult
+
+logger = logging.getLogger(__name__)
+
+#: How many times a duplicate of a finished run waits for that run's result to be
+#: stored by Celery before it gives up and reports ``None``.
+RESULT_WAIT_TRIES = 8
+
+
+class DuplicateOutcomes(Republishing):
+    """What a delivery of a finished run reports (a layer of ``LeasedTask``)."""
+
+    def _on_finished(self, config: LeaseConfig, runtime: Runtime, claim: ClaimResult) -> Any:
+        """A delivery of a run that already ended: the body does not run again.
+
+        Under the run's own task id nothing is written (Celery already has the
+        outcome), except a ``FAILURE`` a dangling ``RETRY`` still hides. Under
+        another task id (a keyed duplicate, a group or chain member) the caller
+        gets the run's outcome as this task's own: its result, its failure, or
+        ``REVOKED``, and its continuation proceeds with it.
+        """
+        own_id = self.request.id
+        same = claim.task_id is None or own_id is None or own_id == claim.task_id
+        emit(
+            "duplicate_dropped",
+            claim.run_id,
+            "run %s is already %s: delivery dropped%s",
+            claim.run_id,
+            claim.status,
+            "" if same else f" (its outcome is reported under {own_id})",
+            status=claim.status,
+        )
+        if claim.status == CANCELLED:
+            self._mark_revoked(claim.run_id)
+            raise Ignore()
+        if claim.status == SUCCEEDED:
+            if same:
+                raise Ignore()
+            return self._result_of(config, runtime, claim)
+        if same and self._celery_state(own_id) == states.FAILURE:
+            raise Ignore()
+        raise self._failure_of(runtime, claim)
+
+    def _result_of(self, config: LeaseConfig, runtime: Runtime, claim: ClaimResult) -> Any:
+        """The stored result of the run's own task id; waits (re-published) until Celery has it."""
+        meta = self._celery_meta(claim.task_id)
+        if meta is not None and meta.get("status") == states.SUCCESS:
+            return meta.get("result")
+        if (
+            meta is not None
+            and self.request.retries < RESULT_WAIT_TRIES
+            and self._finished_recently(runtime, claim.run_id, config.lease_seconds)
+        ):
+            # Succeeded in the lease table, not yet stored by Celery (or fenced
+            # inside a body that is still running): ask again shortly.
+            self._reschedule(busy_delay(config, 0.2, self.request.retries), Ignore())
+        logger.warning(
+            "celery-lease: run %s succeeded but its result (task %s) is not in the result "
+            "backend: reporting None",
+            claim.run_id,
+            claim.task_id,
+        )
+        return None
+
+    @staticmethod
+    def _finished_recently(runtime: Runtime, run_id: str, window: float) -> bool:
+        """True when the run ended less than ``window`` s ago (its result may still come)."""
+        try:
+            row = runtime.store.get(run_id)
+            now = runtime.store.now_ms()
+        except LeaseDatabaseError:
+            return True
+        finished = None if row is None else (row.finished_at or row.updated_at)
+        return finished is not None and now - finished < window * 1000
+
+    def _failure_of(self, runtime: Runtime, claim: ClaimResult) -> BaseException:
+        """The exception a failed run ended with: Celery's stored one, else :class:`RunFailed`."""
+        meta = self._celery_meta(claim.task_id) if claim.task_id else None
+        if meta is not None and meta.get("status") == states.FAILURE:
+            try:
+                error = self.backend.exception_to_python(meta.get("result"))
+            except Exception:
+                error = None
+            if isinstance(error, BaseException):
+                return error
+        try:
+            row = runtime.store.get(claim.run_id)
+        except LeaseDatabaseError:
+            row = None
+        return RunFailed(
+            claim.run_id,
+            row.failure_code if row is not None else None,
+            row.last_error if row is not None else None,
+        )
+
+    def _celery_meta(self, task_id: str | None) -> dict[str, Any] | None:
+        """Celery's stored state of ``task_id``, or None without a readable result backend."""
+        if not task_id or self.ignore_result:
+            return None
+        try:
+            meta: dict[str, Any] = self.backend.get_task_meta(task_id)
+        except Exception:  # no result backend (DisabledBackend), or it is down
+            return None
+        return meta
+
+    def _celery_state(self, task_id: str | None) -> str | None:
+        meta = self._celery_meta(task_id)
+        return None if meta is None else str(meta.get("status"))
+
+    def _mark_revoked(self, run_id: str) -> None:
+        task_id = self.request.id
+        if not task_id or self.request.called_directly or self.ignore_result:
+            return
+        try:
+            self.backend.mark_as_revoked(task_id, "cancelled", request=self.request)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: could not mark %s revoked: %s", task_id, describe_exception(exc)
+            )

@@ -1,0 +1,136 @@
+"""The per-process watchdog: acts on every running lease's local deadline, without I/O."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+logger = logging.getLogger(__name__)
+
+#: Process-directed signals a side thread must never be the one to receive.
+_SIDE_THREAD_BLOCKED = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
+    if hasattr(signal, name)
+)
+
+
+def block_signals_in_side_thread() -> None:
+    """Leave this thread out of process-directed signal delivery (call it first in the thread).
+
+    A pool child masks ``SIGTERM`` in its main thread while it reports its exit
+    through a shared pipe lock (billiard). If the signal, by then at its
+    default action, were delivered to a side thread instead, the process would
+    die holding that lock and freeze every other child of the pool. Signals
+    then go to the main thread, which handles them anyway.
+    """
+    if hasattr(signal, "pthread_sigmask") and _SIDE_THREAD_BLOCKED:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SIDE_THREAD_BLOCKED)
+
+
+class Watchdog:
+    """One daemon thread per process that acts on the local deadline of every watched lease.
+
+    It does no I/O, so it fires when the heartbeat thread is stuck in a socket
+    read. Each lease is watched while its body runs. :meth:`poll` runs one
+    pass without the thread (for tests and tools).
+    """
+
+    #: The longest the thread sleeps when nothing is due.
+    IDLE_SECONDS = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._leases: set[Lease] = set()
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._polling = False
+        self._wake_at = float("-inf")  # when the sleeping thread wakes up next
+        self._thread: threading.Thread | None = None
+
+    def watch(self, lease: Lease) -> None:
+        """Start watching ``lease`` (and start the thread if needed)."""
+        with self._cond:
+            self._leases.add(lease)
+            if self._polling or lease.deadline < self._wake_at:
+                self._generation += 1
+                self._cond.notify()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-lease-watchdog", daemon=True
+                )
+                self._thread.start()
+
+    def nudge(self) -> None:
+        """Make the thread recompute its next wake-up (a lease needs it sooner)."""
+        if threading.current_thread() is self._thread:
+            return  # its own pass: it computes the wake-up from the result
+        with self._cond:
+            self._generation += 1
+            self._cond.notify()
+
+    def unwatch(self, lease: Lease) -> None:
+        """Stop watching ``lease``."""
+        with self._cond:
+            self._leases.discard(lease)
+
+    def poll(self, now: float | None = None) -> float | None:
+        """One pass over the watched leases; the next time one needs a pass, or None."""
+        with self._cond:
+            leases = list(self._leases)
+        wakes = [lease.poll_deadline(now) for lease in leases]
+        return min((w for w in wakes if w is not None), default=None)
+
+    def _run(self) -> None:
+        block_signals_in_side_thread()
+        while True:
+            with self._cond:
+                generation = self._generation
+                self._polling = True
+            try:
+                wake = self.poll()
+            except Exception:  # never let the watchdog die silently
+                logger.exception(
+                    "celery-lease watchdog pass crashed",
+                    extra={"lease_event": "watchdog_error", "run_id": None},
+                )
+                wake = self._clock() + 1.0
+            with self._cond:
+                self._polling = False
+                if self._generation != generation:
+                    continue  # a lease was added during the pass
+                timeout = self.IDLE_SECONDS if wake is None else wake - self._clock()
+                timeout = min(max(timeout, 0.001), self.IDLE_SECONDS)
+                self._wake_at = self._clock() + timeout
+                self._cond.wait(timeout)
+
+
+_watchdog: Watchdog | None = None
+_watchdog_lock = threading.Lock()
+
+
+def process_watchdog() -> Watchdog:
+    """This process's :class:`Watchdog` (a forked child gets its own)."""
+    global _watchdog
+    with _watchdog_lock:
+        if _watchdog is None:
+            _watchdog = Watchdog()
+        return _watchdog
+
+
+def _forget_watchdog_in_child() -> None:
+    global _watchdog, _watchdog_lock
+    _watchdog = None
+    _watchdog_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_watchdog_in_child)
