@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sqlalchemy import (
@@ -33,8 +32,6 @@ from .records import (
     Activity,
     RunRecord,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class Control(StoreBase):
@@ -139,18 +136,11 @@ class Control(StoreBase):
             .limit(limit)
             .with_for_update(skip_locked=True)  # SQLite compiles no FOR UPDATE
         )
-        if self.dialect not in ("mysql", "mariadb"):
+        if self._ops.delete_by_subquery:
             # The rows are locked (PostgreSQL) or the writer is alone (SQLite) and
-            # were picked by the guard: no second filter. PostgreSQL gets
-            # id = ANY(ARRAY(...)), an index condition on the primary key; with
-            # IN (...) its planner may hash-join against a scan of the table.
-            picked: Any = (
-                runs.c.id == func.any(func.array(oldest.scalar_subquery()))
-                if self.dialect == "postgresql"
-                else runs.c.id.in_(oldest)
-            )
+            # were picked by the guard: no second filter.
             with self._auto.connect() as conn:
-                return int(conn.execute(delete(runs).where(picked)).rowcount)
+                return int(conn.execute(delete(runs).where(self._ops.picked(oldest))).rowcount)
         # MySQL refuses LIMIT in an IN subquery: pick, then delete, in one transaction.
         with self.engine.begin() as conn:
             ids = list(conn.execute(oldest).scalars())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -19,7 +18,7 @@ from ..schema import (
     db_now_ms,
     runs,
 )
-from .dialects import _KeyLock
+from .dialects import Dialect
 from .driver import DriverStatement
 from .engine import (
     WaitBounds,
@@ -27,9 +26,6 @@ from .engine import (
 from .records import (
     RunRecord,
 )
-
-logger = logging.getLogger(__name__)
-
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,9 +55,8 @@ class StoreBase:
     bounds: WaitBounds
     _own_auto: Engine | None
     _auto: Engine
-    _key_lock: _KeyLock
+    _ops: Dialect
     _upsert: bool
-    _returning: bool
     _complete_stmt: Any
     _claim_stmt: Any
     _complete_driver: DriverStatement | None

@@ -10,11 +10,9 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     func,
-    insert,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .. import dberrors
@@ -130,9 +128,7 @@ class Claims(Statements, ClaimRefusal):
             with self.engine.begin() as conn:
                 row = self._claim_locked(conn, values, lease_ms, max_attempts)
         if row is not None:
-            return ClaimResult(
-                "claimed", run_id, owner, row[0], RUNNING, 0.0, row[1], max_attempts=row[2]
-            )
+            return ClaimResult("claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2])
         return self._claim_refused(run_id, owner, max_attempts)
 
     def _claim_upsert(
@@ -176,7 +172,7 @@ class Claims(Statements, ClaimRefusal):
         key = values["concurrency_key"]
         now = db_now_ms()
         with self.engine.begin() as conn:
-            if not self._key_lock.acquire(conn, key):
+            if not self._ops.key_lock.acquire(conn, key):
                 return ClaimResult(
                     "busy",
                     values["id"],
@@ -187,7 +183,7 @@ class Claims(Statements, ClaimRefusal):
                     reason="concurrency",
                 )
             live = conn.execute(
-                self._key_lock.count_live(
+                self._ops.key_lock.count_live(
                     select(func.count(), func.min(runs.c.lease_expires_at - now)).where(
                         runs.c.concurrency_key == key,
                         runs.c.status == RUNNING,
@@ -231,9 +227,8 @@ class Claims(Statements, ClaimRefusal):
         }
         bump = {"available_at": now + wait_ms, "updated_at": now}
         if self._upsert:
-            dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
             conn.execute(
-                dialect_insert(runs)
+                self._ops.insert(runs)
                 .values(waiting)
                 .on_conflict_do_update(
                     index_elements=[runs.c.id], set_=bump, where=runs.c.status == QUEUED
@@ -245,7 +240,7 @@ class Claims(Statements, ClaimRefusal):
         ).rowcount
         exists = conn.execute(select(runs.c.id).where(runs.c.id == values["id"])).first()
         if not changed and exists is None:
-            conn.execute(insert(runs).values(waiting))
+            conn.execute(self._ops.insert(runs).values(waiting))
 
     def _claim_locked(
         self, conn: Connection, values: dict[str, Any], lease_ms: int, max_attempts: int
@@ -260,7 +255,7 @@ class Claims(Statements, ClaimRefusal):
             select(runs.c.attempt).where(runs.c.id == values["id"]).with_for_update()
         ).first()
         if current is None:
-            conn.execute(insert(runs).values(self._insert_values(values, lease_ms)))
+            conn.execute(self._ops.insert(runs).values(self._insert_values(values, lease_ms)))
             attempt = 1
         else:
             changed = conn.execute(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any
 
@@ -17,9 +16,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from .driver import _ClientWatchdog
-
-logger = logging.getLogger(__name__)
-
 
 #: Execution option for single statements on SQLite: no ``BEGIN``, and no
 #: isolation-level switch (SQLAlchemy's costs a PRAGMA at check-out and check-in).

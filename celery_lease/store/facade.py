@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sqlalchemy import (
@@ -20,18 +19,14 @@ from ..schema import (
 from .admin import Control, OperatorReads
 from .base import _db_errors
 from .claim import Claims
-from .dialects import _KEY_LOCKS, _KeyLock
+from .dialects import dialect_for
 from .driver import DriverStatement
 from .engine import (
     DEFAULT_BOUNDS,
-    SQLITE_AUTOCOMMIT,
     WaitBounds,
-    _configure_sqlite,
     create_lease_engine,
 )
 from .recovery import Recovery
-
-logger = logging.getLogger(__name__)
 
 
 class LeaseStore(Claims, Recovery, Control, OperatorReads):
@@ -63,14 +58,9 @@ class LeaseStore(Claims, Recovery, Control, OperatorReads):
         self.dialect = engine.dialect.name
         self.bounds = bounds
         self._own_auto = autocommit_engine
-        if self.dialect == "sqlite":
-            _configure_sqlite(engine, bounds)
-            self._auto = autocommit_engine or engine.execution_options(**{SQLITE_AUTOCOMMIT: True})
-        else:
-            self._auto = autocommit_engine or engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._key_lock = _KEY_LOCKS.get(self.dialect, _KeyLock())
-        self._upsert = self.dialect in ("sqlite", "postgresql")
-        self._returning = self.dialect in ("sqlite", "postgresql")
+        self._ops = dialect_for(self.dialect)
+        self._auto = autocommit_engine or self._ops.autocommit(engine, bounds)
+        self._upsert = self._ops.upsert
         # The hot path's two statements are compiled once and run at the driver
         # level (DriverStatement) on an engine in autocommit mode: SQLite's
         # connections are (the driver's own transaction handling is off), a
@@ -82,7 +72,7 @@ class LeaseStore(Claims, Recovery, Control, OperatorReads):
         self._claim_stmt: Any = self._build_claim_upsert() if self._upsert else None
         self._complete_driver: DriverStatement | None = None
         self._claim_driver: DriverStatement | None = None
-        if self.dialect == "sqlite" or autocommit_engine is not None:
+        if self._ops.raw_autocommit or autocommit_engine is not None:
             self._complete_driver = DriverStatement(
                 self._auto, self._complete_stmt, returns_row=False
             )
@@ -103,7 +93,7 @@ class LeaseStore(Claims, Recovery, Control, OperatorReads):
         """
         bounds = DEFAULT_BOUNDS if lease_seconds is None else WaitBounds.for_lease(lease_seconds)
         engine = create_lease_engine(url, bounds=bounds, **engine_kwargs)
-        if engine.dialect.name == "sqlite":
+        if dialect_for(engine.dialect.name).raw_autocommit:
             return cls(engine, bounds=bounds)
         # Autocommit connections never hold a transaction: no reset on check-in.
         auto_kwargs = {"pool_reset_on_return": None, **engine_kwargs}

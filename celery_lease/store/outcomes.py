@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,8 +34,6 @@ from .records import (
 )
 from .statements import Statements
 
-logger = logging.getLogger(__name__)
-
 
 class Outcomes(Statements):
     """Renew, fence and end held leases; each write guarded."""
@@ -64,7 +61,7 @@ class Outcomes(Statements):
             .values(lease_expires_at=now + runs.c.lease_ms, heartbeat_at=now, updated_at=now)
         )
         columns = (runs.c.id, runs.c.lease_owner, runs.c.attempt, runs.c.cancel_requested_at)
-        if self._returning:
+        if self._upsert:
             with self._auto.connect() as conn:
                 rows = conn.execute(renew.returning(*columns)).all()
         else:

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Literal
 
 from ..schema import (
     TERMINAL_STATUSES,
 )
-
-logger = logging.getLogger(__name__)
-
 
 #: How many times one claim call re-runs after losing to a concurrent claim
 #: (deadlock, serialization failure, duplicate insert) before reporting busy.
@@ -44,7 +40,6 @@ class ClaimResult:
     attempt: int
     status: str
     retry_in: float = 0.0
-    lease_expires_at: int | None = None
     reason: str = ""
     #: For ``finished``: the task id of the delivery that ran the run (None if unknown).
     task_id: str | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sqlalchemy import (
@@ -10,12 +9,10 @@ from sqlalchemy import (
     and_,
     case,
     func,
-    insert,
     or_,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 
 from ..errors import LeaseLost
 from ..schema import (
@@ -33,8 +30,6 @@ from .outcomes import Outcomes
 from .records import (
     RunRecord,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class Recovery(Outcomes):
@@ -87,8 +82,7 @@ class Recovery(Outcomes):
             or_(adopt, func.coalesce(runs.c.task_id, runs.c.id) == task_id),
         )
         if self._upsert:
-            dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-            insert_stmt = dialect_insert(runs).values(waiting)
+            insert_stmt = self._ops.insert(runs).values(waiting)
             excluded = insert_stmt.excluded
             stmt = insert_stmt.on_conflict_do_update(
                 index_elements=[runs.c.id],
@@ -117,7 +111,7 @@ class Recovery(Outcomes):
                 select(runs.c.id).where(runs.c.id == run_id).with_for_update()
             ).first()
             if found is None:
-                conn.execute(insert(runs).values(waiting))
+                conn.execute(self._ops.insert(runs).values(waiting))
                 return True
             conn.execute(update(runs).where(runs.c.id == run_id, adopt, keeps).values(adopted))
             kept = conn.execute(select(runs.c.id).where(runs.c.id == run_id, keeps)).first()
@@ -144,7 +138,7 @@ class Recovery(Outcomes):
             .order_by(runs.c.lease_expires_at)
             .limit(limit)
         )
-        if self.dialect != "sqlite":
+        if self._ops.skip_locked:
             query = query.with_for_update(skip_locked=True)
         moved: list[tuple[RunRecord, str]] = []
         with self.engine.begin() as conn:
@@ -155,8 +149,9 @@ class Recovery(Outcomes):
                     moved.append((record, status))
         return moved
 
-    def _sweep_one(self, record: RunRecord, conn: Connection | None = None) -> str | None:
-        """The guarded transition of one expired lease; None if it changed meanwhile."""
+    def _sweep_one(self, record: RunRecord, conn: Connection) -> str | None:
+        """The guarded transition of one expired lease, in the sweep's transaction ``conn``;
+        None if it changed meanwhile."""
         now = db_now_ms()
         values: dict[str, Any] = {"updated_at": now, "lease_expires_at": now}
         if record.cancel_requested_at is not None:
@@ -188,10 +183,7 @@ class Recovery(Outcomes):
             )
             .values(status=status, **values)
         )
-        if conn is not None:
-            return status if conn.execute(stmt).rowcount == 1 else None
-        with self._auto.connect() as auto:
-            return status if auto.execute(stmt).rowcount == 1 else None
+        return status if conn.execute(stmt).rowcount == 1 else None
 
     @_db_errors
     def reclaim_stale(self, older_than: float, limit: int = 500) -> list[RunRecord]:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 from sqlalchemy import (
     and_,
     case,
-    insert,
     or_,
     select,
     update,
@@ -29,8 +26,6 @@ from .base import StoreBase, _db_errors
 from .records import (
     ClaimResult,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class ClaimRefusal(StoreBase):
@@ -164,7 +159,7 @@ class ClaimRefusal(StoreBase):
                 **ended,
             }
             try:
-                conn.execute(insert(runs).values(row))
+                conn.execute(self._ops.insert(runs).values(row))
             except SQLAlchemyError as exc:
                 if dberrors.classify(exc, self.dialect).cause != "duplicate_key":
                     raise

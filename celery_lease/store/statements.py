@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from sqlalchemy import (
@@ -14,7 +13,6 @@ from sqlalchemy import (
     func,
     or_,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 
 from ..schema import (
     QUEUED,
@@ -29,8 +27,6 @@ from .base import StoreBase
 from .records import (
     _CLEARED_MESSAGE,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class Statements(StoreBase):
@@ -93,7 +89,6 @@ class Statements(StoreBase):
 
     def _build_claim_upsert(self) -> Any:
         """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` (PG, SQLite)."""
-        dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         lease_ms = bindparam("p_lease_ms", type_=Integer)
         max_attempts = bindparam("p_max_attempts", type_=Integer)
         values = {
@@ -110,7 +105,7 @@ class Statements(StoreBase):
             "payload_content_type": bindparam("p_payload_content_type", type_=String),
         }
         return (
-            dialect_insert(runs)
+            self._ops.insert(runs)
             .values(self._insert_values(values, lease_ms))
             .on_conflict_do_update(
                 index_elements=[runs.c.id],
