@@ -921,7 +921,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                 failure_code=failure_code,
                 error=describe_exception(cause) if cause is not None else None,
             )
-        except (LeaseError, SQLAlchemyError) as exc:
+        except LeaseError as exc:
             logger.warning(
                 "celery-lease: could not end run %s as %s: %s",
                 lease.run_id,
