@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (
-    and_,
-    case,
-    delete,
-    func,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import and_, case, delete, func, or_, select, update
 
 from ..errors import RunNotFound, RunNotRerunnable
 from ..schema import (
@@ -27,11 +19,7 @@ from ..schema import (
     runs,
 )
 from .base import StoreBase, _db_errors
-from .records import (
-    PURGE_BATCH,
-    Activity,
-    RunRecord,
-)
+from .records import PURGE_BATCH, Activity, RunRecord
 
 
 class Control(StoreBase):

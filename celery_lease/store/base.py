@@ -6,26 +6,16 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import (
-    Engine,
-    select,
-)
+from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import dberrors
 from ..errors import LeaseLost
-from ..schema import (
-    db_now_ms,
-    runs,
-)
+from ..schema import db_now_ms, runs
 from .dialects import Dialect
 from .driver import DriverStatement
-from .engine import (
-    WaitBounds,
-)
-from .records import (
-    RunRecord,
-)
+from .engine import WaitBounds
+from .records import RunRecord
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -7,28 +7,14 @@ import random
 import time
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    func,
-    select,
-    update,
-)
+from sqlalchemy import Connection, func, select, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .. import dberrors
-from ..schema import (
-    QUEUED,
-    RUNNING,
-    check_claim_inputs,
-    db_now_ms,
-    runs,
-)
+from ..schema import QUEUED, RUNNING, check_claim_inputs, db_now_ms, runs
 from .base import _db_errors
 from .driver import _lock_wait_ended
-from .records import (
-    CLAIM_CONTENTION_TRIES,
-    ClaimResult,
-)
+from .records import CLAIM_CONTENTION_TRIES, ClaimResult
 from .refusal import ClaimRefusal
 from .statements import Statements
 

@@ -11,10 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import (
-    Engine,
-    event,
-)
+from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import ConnectionPoolEntry
 

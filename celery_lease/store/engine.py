@@ -6,12 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    create_engine,
-    event,
-)
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 

@@ -4,28 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (
-    Engine,
-    bindparam,
-    inspect,
-    update,
-)
+from sqlalchemy import Engine, bindparam, inspect, update
 
-from ..schema import (
-    db_now_ms,
-    metadata,
-    runs,
-)
+from ..schema import db_now_ms, metadata, runs
 from .admin import Control, OperatorReads
 from .base import _db_errors
 from .claim import Claims
 from .dialects import dialect_for
 from .driver import DriverStatement
-from .engine import (
-    DEFAULT_BOUNDS,
-    WaitBounds,
-    create_lease_engine,
-)
+from .engine import DEFAULT_BOUNDS, WaitBounds, create_lease_engine
 from .recovery import Recovery
 
 

@@ -5,14 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    and_,
-    or_,
-    select,
-    tuple_,
-    update,
-)
+from sqlalchemy import Connection, and_, or_, select, tuple_, update
 
 from ..schema import (
     CANCELLED,
@@ -26,13 +19,8 @@ from ..schema import (
     runs,
 )
 from .base import _db_errors
-from .records import (
-    _CLEARED_MESSAGE,
-    HeartbeatResult,
-    LeaseKey,
-    RunRecord,
-)
-from .statements import Statements
+from .records import _CLEARED_MESSAGE, HeartbeatResult, LeaseKey, RunRecord
+from .statements import Statements, ended_values
 
 
 class Outcomes(Statements):
@@ -210,12 +198,7 @@ class Outcomes(Statements):
             owner,
             attempt,
             "end",
-            status=status,
-            failure_code=failure_code,
-            last_error=error,
-            lease_expires_at=now,
-            finished_at=now,
-            updated_at=now,
+            **ended_values(now, status, failure_code, error),
             **(_CLEARED_MESSAGE if status == SUCCEEDED else {}),
         )
 
@@ -237,15 +220,7 @@ class Outcomes(Statements):
                 runs.c.attempt == record.attempt,
                 or_(runs.c.status == QUEUED, runs.c.status == RETRYING),
             )
-            .values(
-                status=status,
-                failure_code=failure_code,
-                last_error=error,
-                lease_expires_at=now,
-                finished_at=now,
-                updated_at=now,
-                **_CLEARED_MESSAGE,
-            )
+            .values(**ended_values(now, status, failure_code, error), **_CLEARED_MESSAGE)
         )
         with self._auto.connect() as conn:
             return conn.execute(stmt).rowcount == 1

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from ..schema import (
-    TERMINAL_STATUSES,
-)
+from ..schema import TERMINAL_STATUSES
 
 #: How many times one claim call re-runs after losing to a concurrent claim
 #: (deadlock, serialization failure, duplicate insert) before reporting busy.

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    and_,
-    case,
-    func,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import Connection, and_, case, func, or_, select, update
 
 from ..errors import LeaseLost
 from ..schema import (
@@ -27,9 +19,7 @@ from ..schema import (
 )
 from .base import _db_errors
 from .outcomes import Outcomes
-from .records import (
-    RunRecord,
-)
+from .records import RunRecord
 
 
 class Recovery(Outcomes):

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import (
-    and_,
-    case,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import and_, case, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import dberrors
@@ -23,9 +17,8 @@ from ..schema import (
     runs,
 )
 from .base import StoreBase, _db_errors
-from .records import (
-    ClaimResult,
-)
+from .records import ClaimResult
+from .statements import ended_values
 
 
 class ClaimRefusal(StoreBase):
@@ -122,14 +115,7 @@ class ClaimRefusal(StoreBase):
         Returns the run's status afterwards.
         """
         now = db_now_ms()
-        ended = {
-            "status": FAILED,
-            "failure_code": failure_code,
-            "last_error": error,
-            "lease_expires_at": now,
-            "finished_at": now,
-            "updated_at": now,
-        }
+        ended = ended_values(now, FAILED, failure_code, error)
         stmt = (
             update(runs)
             .where(

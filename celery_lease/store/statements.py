@@ -4,29 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import (
-    Integer,
-    String,
-    and_,
-    bindparam,
-    case,
-    func,
-    or_,
-)
+from sqlalchemy import Integer, String, and_, bindparam, case, func, or_
 
-from ..schema import (
-    QUEUED,
-    RETRYING,
-    RUNNING,
-    SUCCEEDED,
-    PayloadType,
-    db_now_ms,
-    runs,
-)
+from ..schema import QUEUED, RETRYING, RUNNING, SUCCEEDED, PayloadType, db_now_ms, runs
 from .base import StoreBase
-from .records import (
-    _CLEARED_MESSAGE,
-)
+from .records import _CLEARED_MESSAGE
+
+
+def ended_values(now: Any, status: str, failure_code: str, error: str | None) -> dict[str, Any]:
+    """The values that end a run in ``status``, with its failure, at ``now``.
+
+    ``lease_expires_at`` becomes the end time too: ``lease top`` counts recent ends by it.
+    """
+    return {
+        "status": status,
+        "failure_code": failure_code,
+        "last_error": error,
+        "lease_expires_at": now,
+        "finished_at": now,
+        "updated_at": now,
+    }
 
 
 class Statements(StoreBase):
