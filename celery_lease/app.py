@@ -337,7 +337,7 @@ def _on_worker_shutting_down(sender: Any = None, how: str = "Warm", **kwargs: An
                 continue
             try:
                 released = runtime.store.release_owned_by(instance.id)
-            except (LeaseDatabaseError, SQLAlchemyError) as exc:
+            except LeaseDatabaseError as exc:
                 logger.warning(
                     "celery-lease: could not hand back leases at shutdown: %s",
                     describe_exception(exc),

@@ -169,3 +169,30 @@ class LeaseInputError(LeaseError, ValueError):
     def failure_code(self) -> str:
         """``lease_input_invalid:<field>``."""
         return f"{self.code}:{self.field}"[:64]
+
+
+class RunNotFound(LeaseError):
+    """No run row has this id."""
+
+    code = "run_not_found"
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"{self.code}: no run with id {run_id!r}")
+
+    def __reduce__(self) -> tuple[type[RunNotFound], tuple[str]]:
+        return (type(self), (self.run_id,))
+
+
+class RunNotRerunnable(LeaseError):
+    """``celery lease rerun`` refused: the run is live, or succeeded without ``force``."""
+
+    code = "run_not_rerunnable"
+
+    def __init__(self, run_id: str, status: str) -> None:
+        self.run_id = run_id
+        self.status = status
+        super().__init__(f"{self.code}: run {run_id!r} is {status}")
+
+    def __reduce__(self) -> tuple[type[RunNotRerunnable], tuple[str, str]]:
+        return (type(self), (self.run_id, self.status))

@@ -8,7 +8,6 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
-from sqlalchemy.exc import SQLAlchemyError
 
 from .app import Runtime
 from .config import LeaseConfig
@@ -254,7 +253,7 @@ class RunOutcomes(DuplicateOutcomes):
                 failure_code=failure_code,
                 error=describe_exception(cause) if cause is not None else None,
             )
-        except (LeaseError, SQLAlchemyError) as exc:
+        except LeaseError as exc:
             logger.warning(
                 "celery-lease: could not end run %s as %s: %s",
                 lease.run_id,

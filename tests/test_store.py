@@ -266,7 +266,8 @@ def test_sweep_leaves_renewed_and_taken_over_runs_alone(store: LeaseStore) -> No
     record = store.get("raced")
     assert record is not None
     claim(store, "raced", "B", lease_ms=60_000)  # a takeover between read and write
-    assert store._sweep_one(record) is None
+    with store.engine.begin() as conn:  # the sweep's own transaction, as sweep_expired runs it
+        assert store._sweep_one(record, conn) is None
     moved = {r.id: status for r, status in store.sweep_expired()}
     assert moved == {"dead": "retrying"}
     row = store.get("dead")

@@ -158,6 +158,7 @@ def test_clock_is_utc_whatever_the_session_time_zone(mysql_url: str, time_zone: 
         assert store.now_ms() == DST_FOLD_EPOCH * 1000
         claim = store.claim("r1", "o:1:x", task_name="t", lease_ms=30_000, max_attempts=3)
         assert claim.outcome == "claimed"
-        assert claim.lease_expires_at == DST_FOLD_EPOCH * 1000 + 30_000
+        row = store.get("r1")
+        assert row is not None and row.lease_expires_at == DST_FOLD_EPOCH * 1000 + 30_000
     finally:
         store.dispose()

@@ -1,0 +1,108 @@
+"""The values the store returns, and its shared constants."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from ..schema import TERMINAL_STATUSES
+
+#: How many times one claim call re-runs after losing to a concurrent claim
+#: (deadlock, serialization failure, duplicate insert) before reporting busy.
+CLAIM_CONTENTION_TRIES = 8
+
+ClaimOutcome = Literal["claimed", "busy", "finished"]
+
+#: Rows one retention statement deletes at most: a short transaction on every dialect.
+PURGE_BATCH = 1000
+
+#: A succeeded run keeps no stored message: task arguments are often personal data. A
+#: failed or cancelled one keeps it until retention deletes the row, so that
+#: ``celery lease rerun`` can publish it again (docs/security.md says so).
+_CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
+LeaseKey = tuple[str, str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimResult:
+    """What a claim attempt found.
+
+    ``claimed``: this owner holds the lease, ``attempt`` is its fencing token.
+    ``busy``: another live lease (or a backoff) blocks it; retry in ``retry_in`` s.
+    ``finished``: the run is terminal (``status``); the body must not run.
+    """
+
+    outcome: ClaimOutcome
+    run_id: str
+    owner: str
+    attempt: int
+    status: str
+    retry_in: float = 0.0
+    reason: str = ""
+    #: For ``finished``: the task id of the delivery that ran the run (None if unknown).
+    task_id: str | None = None
+    #: For ``claimed``: the attempt at which the run is out of attempts (the row's
+    #: ``max_attempts``: the claimer's setting, or more after ``celery lease rerun``).
+    max_attempts: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatResult:
+    """Outcome of one heartbeat tick, as sets of ``(run_id, owner, attempt)``."""
+
+    renewed: frozenset[LeaseKey]
+    lost: frozenset[LeaseKey]
+    cancel_requested: frozenset[LeaseKey]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One row of ``celery_lease_runs``; times are epoch milliseconds (DB clock)."""
+
+    id: str
+    task_name: str
+    status: str
+    lease_owner: str | None
+    lease_expires_at: int | None
+    lease_ms: int
+    heartbeat_at: int | None
+    attempt: int
+    max_attempts: int
+    available_at: int
+    cancel_requested_at: int | None
+    started_at: int | None
+    finished_at: int | None
+    last_error: str | None
+    failure_code: str | None
+    concurrency_key: str | None
+    task_id: str | None
+    payload: bytes | None
+    payload_content_type: str | None
+    created_at: int
+    updated_at: int
+
+    @property
+    def terminal(self) -> bool:
+        """True once the run is succeeded, failed or cancelled."""
+        return self.status in TERMINAL_STATUSES
+
+
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """What :meth:`LeaseStore.activity` counted; times are epoch ms (DB clock).
+
+    ``counts``: live runs per status (queued, running, retrying).
+    ``ended_recently``: runs that ended within the window, per terminal status.
+    ``retried_recently``: runs that went ``retrying`` within the window and
+    wait for their next claim (a retry claimed again already is running).
+    ``running_retries``: running runs past their first attempt.
+    ``expired_leases``: running runs whose lease has expired.
+    """
+
+    now: int
+    window_ms: int
+    counts: dict[str, int]
+    ended_recently: dict[str, int]
+    retried_recently: int
+    running_retries: int
+    expired_leases: int
