@@ -575,7 +575,7 @@ def rerun(
     keyed task's lease_key); without them it waits, queued, for the caller to
     send the task again with the same key (or task id).
     """
-    from .sweeper import requeue
+    from .requeue import requeue
     from .task import LeasedTask
 
     args = _json_option(args_json, list, "--args")
