@@ -7,7 +7,6 @@ from typing import Any
 
 from celery import Celery
 
-from .config import LeaseConfig
 from .events import emit
 from .requeue import (
     MessageNotAccepted,
@@ -18,6 +17,7 @@ from .requeue import (
     requeue_all,
 )
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
+from .runtime import app_config, store_for
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
 
@@ -58,9 +58,7 @@ def sweep(
     ``purge_limit`` finished rows older than ``lease_retention`` are deleted,
     in batches started within ``purge_budget`` seconds (0 rows skips the step).
     """
-    from .app import store_for
-
-    config = LeaseConfig.from_app(app)
+    config = app_config(app)
     store = store or store_for(app)
     report = SweepReport()
     to_requeue: list[RunRecord] = []

@@ -21,7 +21,7 @@ from kombu.serialization import dumps
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import dberrors
-from .app import Runtime, install, runtime_for, shutting_down, worker_id
+from .app import install
 from .config import SETTING_NAMES, LeaseConfig
 from .errors import (
     InvalidLeaseKey,
@@ -35,6 +35,7 @@ from .errors import (
 )
 from .events import emit
 from .lease import Lease, LeaseInterrupt, _current, current_lease
+from .runtime import Runtime, app_config, app_runtime, runtime_for, shutting_down, worker_id
 from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED, RUNNING, SUCCEEDED
 from .store import ClaimResult
@@ -135,8 +136,9 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def lease_config(self) -> LeaseConfig:
         """The app's lease settings with this task's ``lease_*`` options applied."""
-        cached: LeaseConfig | None = self.__dict__.get("_lease_config")
-        if cached is None:
+        configs = app_runtime(self.app).task_configs  # kept per app: reset() drops them
+        cached = configs.get(self.name)
+        if cached is None or cached[0] is not self:
             overrides: dict[str, Any] = {}
             for name in SETTING_NAMES:
                 value = inspect.getattr_static(self, name, None)
@@ -144,9 +146,9 @@ class LeasedTask(Task):  # type: ignore[misc]
                     value = value.__func__
                 if value is not None:
                     overrides[name] = value
-            cached = LeaseConfig.from_app(self.app).with_overrides(overrides)
-            self.__dict__["_lease_config"] = cached
-        return cached
+            cached = (self, app_config(self.app).with_overrides(overrides))
+            configs[self.name] = cached
+        return cached[1]
 
     @property
     def lease(self) -> Lease:
@@ -345,7 +347,7 @@ class LeasedTask(Task):  # type: ignore[misc]
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
             started_at=started_at,
-            interrupt=config.interrupt and not self.app.__dict__.get("_celery_lease_green_pool"),
+            interrupt=config.interrupt and not app_runtime(self.app).green_pool,
             max_attempts=claim.max_attempts,
         )
         return self._run_body(config, runtime, lease, args, kwargs)

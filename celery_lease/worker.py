@@ -1,4 +1,10 @@
-"""The worker's wiring: the bootstep, the signal receivers and the start-up checks."""
+"""The worker's wiring: the bootstep, its start-up checks and the signal receivers.
+
+:func:`celery_lease.install` adds :class:`LeaseBootstep` to the app by name;
+Celery imports this module when a worker starts. The bootstep checks the
+settings and the database, then connects this app's signal receivers: a pool
+child builds runtimes only for the app of its own worker.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ import re
 import socket
 import time
 import uuid
+import weakref
 from typing import Any
 
-from celery import Celery, bootsteps
+from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -19,10 +26,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from .config import LeaseConfig, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
 from .requeue import SweepReport, requeue_all
-from .runtime import Runtime, WorkerInstance, runtime_for
+from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import RunNotFound
 from .sweeper import register_sweep_task
+from .task import LeasedTask
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +55,10 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
             raise SystemExit(
                 f"celery-lease: worker not started: ImproperlyConfigured: {sanitize(message)}"
             ) from None
-        app._celery_lease_worker = WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1))
+        runtime = app_runtime(app)
+        if runtime.worker is None:  # once per app: the receivers read the current worker
+            _connect_receivers(app)
+        runtime.worker = WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1))
         register_sweep_task(app)
         super().__init__(parent, **kwargs)
 
@@ -62,9 +73,7 @@ DRIVER_EXTRAS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql"}
 def _check_worker_startup(app: Celery, pool: str) -> None:
     """Every start-up check; raises ImproperlyConfigured on a permanent problem."""
     check_app_settings(app)
-    config = LeaseConfig.from_app(app)
-    from .task import LeasedTask
-
+    config = app_config(app)
     configs = {config.database_url: config}
     for task in list(app.tasks.values()):
         if isinstance(task, LeasedTask):
@@ -80,7 +89,7 @@ def _check_worker_startup(app: Celery, pool: str) -> None:
                 "lease_interrupt=True cannot work on the gevent/eventlet pools (green "
                 "threads share one OS thread); unset it and call self.lease.check()"
             )
-        app._celery_lease_green_pool = True
+        app_runtime(app).green_pool = True
         logger.info(
             "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
             "self.lease.check()",
@@ -219,16 +228,42 @@ def _permanent_problem(exc: BaseException) -> str | None:
     return f"{what}: {describe_exception(orig, 300)}"
 
 
-def _on_worker_process_init(**kwargs: Any) -> None:
+def _connect_receivers(app: Celery) -> None:
+    """Connect the worker signal receivers of ``app`` (they hold it weakly)."""
+    ref = weakref.ref(app)
+
+    def process_init(**kwargs: Any) -> None:
+        found = ref()
+        if found is not None:
+            _on_worker_process_init(found)
+
+    def shutting_down(sender: Any = None, how: str = "Warm", **kwargs: Any) -> None:
+        found = ref()
+        if found is not None:
+            _on_worker_shutting_down(found, how)
+
+    def process_shutdown(**kwargs: Any) -> None:
+        found = ref()
+        if found is not None:
+            _on_worker_process_shutdown(found)
+
+    signals.worker_process_init.connect(process_init, weak=False)
+    signals.worker_shutting_down.connect(shutting_down, weak=False)
+    signals.worker_process_shutdown.connect(process_shutdown, weak=False)
+    signals.task_revoked.connect(
+        _on_task_revoked, weak=False, dispatch_uid="celery_lease.task_revoked"
+    )
+
+
+def _on_worker_process_init(app: Celery) -> None:
     """A new pool child: drop the parent's connections and heartbeat right away."""
-    for app in list(_installed_apps):
-        try:
-            runtime_for(app, LeaseConfig.from_app(app))
-        except Exception as exc:  # a hook never takes the worker down
-            logger.warning("celery-lease: process init failed: %s", describe_exception(exc))
+    try:
+        runtime_for(app, app_config(app))
+    except Exception as exc:  # a hook never takes the worker down
+        logger.warning("celery-lease: process init failed: %s", describe_exception(exc))
 
 
-def _on_worker_shutting_down(sender: Any = None, how: str = "Warm", **kwargs: Any) -> None:
+def _on_worker_shutting_down(app: Celery, how: str) -> None:
     """The worker begins to shut down: claim nothing new; on a cold one, hand leases back.
 
     A warm shutdown waits for running bodies, so their leases stay held and
@@ -238,26 +273,25 @@ def _on_worker_shutting_down(sender: Any = None, how: str = "Warm", **kwargs: An
     another worker takes them over at once instead of after expiry. Only
     leases whose owner carries this worker's id are touched.
     """
-    for app in list(_installed_apps):
-        instance: WorkerInstance | None = app.__dict__.get("_celery_lease_worker")
-        if instance is None:
+    instance = app_runtime(app).worker
+    if instance is None:
+        return
+    instance.flag[0] = 1
+    if how != "Cold":
+        return
+    pid = os.getpid()
+    for runtime in list(app_runtime(app).databases.values()):
+        if runtime.pid != pid:
             continue
-        instance.flag[0] = 1
-        if how != "Cold":
+        try:
+            released = runtime.store.release_owned_by(instance.id)
+        except (LeaseDatabaseError, SQLAlchemyError) as exc:
+            logger.warning(
+                "celery-lease: could not hand back leases at shutdown: %s",
+                describe_exception(exc),
+            )
             continue
-        pid = os.getpid()
-        for runtime in list(app.__dict__.get("_celery_lease_runtimes", {}).values()):
-            if runtime.pid != pid:
-                continue
-            try:
-                released = runtime.store.release_owned_by(instance.id)
-            except (LeaseDatabaseError, SQLAlchemyError) as exc:
-                logger.warning(
-                    "celery-lease: could not hand back leases at shutdown: %s",
-                    describe_exception(exc),
-                )
-                continue
-            requeue_all(app, released, SweepReport(), "handoff", runtime.store)
+        requeue_all(app, released, SweepReport(), "handoff", runtime.store)
 
 
 def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
@@ -267,8 +301,6 @@ def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
     duplicate of a keyed run leaves the run alone. Runs in the worker's main
     process; a failure is logged, never raised.
     """
-    from .task import LeasedTask
-
     if not isinstance(sender, LeasedTask) or request is None or not request.id:
         return
     try:
@@ -293,15 +325,8 @@ def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
     )
 
 
-def _on_worker_process_shutdown(**kwargs: Any) -> None:
-    for app_runtimes in _all_runtimes():
-        for runtime in list(app_runtimes.values()):
-            if runtime.pid == os.getpid():
-                runtime.heartbeat.stop(timeout=2.0)
-
-
-_installed_apps: list[Celery] = []
-
-
-def _all_runtimes() -> list[dict[str, Runtime]]:
-    return [app.__dict__.get("_celery_lease_runtimes", {}) for app in _installed_apps]
+def _on_worker_process_shutdown(app: Celery) -> None:
+    """A process of the worker exits: stop its heartbeats."""
+    for runtime in list(app_runtime(app).databases.values()):
+        if runtime.pid == os.getpid():
+            runtime.heartbeat.stop(timeout=2.0)
