@@ -74,9 +74,7 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         graph[name] = {
-            other
-            for other in _imported(name, path, modules)
-            if not name.startswith(other + ".")
+            other for other in _imported(name, path, modules) if not name.startswith(other + ".")
         }
     return graph
 
