@@ -8,15 +8,22 @@ the message is written under a name no consumer matches and renamed into place
 Select it with ``app.conf.broker_transport =
 "celery_lease.contrib.fs_transport:Transport"`` (the URL stays ``filesystem://``); the
 example project and the test suite do. It changes nothing but the publish.
+
+It keeps what kombu's own publish does besides the file name: the file is
+written under an exclusive lock (``LOCK_EX``, kombu's lock helpers), and any
+``OSError`` becomes kombu's ``ChannelError``, which kombu and Celery handle as a
+channel failure. The temporary file is removed when the publish fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from time import monotonic
 from typing import Any
 
+from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
 from kombu.utils.encoding import str_to_bytes
 from kombu.utils.json import dumps
@@ -31,9 +38,18 @@ class Channel(filesystem.Channel):
         # No ".<queue>.msg" anywhere in the name: kombu before 5.5 takes every file whose
         # name merely contains it (later versions compare the whole suffix).
         partial = os.path.join(self.data_folder_out, f"{uuid.uuid4()}.part")
-        with open(partial, "wb") as f:
-            f.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]
-        os.replace(partial, final)
+        try:
+            with open(partial, "wb", buffering=0) as f:
+                filesystem.lock(f, filesystem.LOCK_EX)  # type: ignore[no-untyped-call]
+                try:
+                    f.write(str_to_bytes(dumps(payload)))  # type: ignore[no-untyped-call]
+                finally:
+                    filesystem.unlock(f)  # type: ignore[no-untyped-call]
+            os.replace(partial, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
 
 class Transport(filesystem.Transport):
