@@ -9,15 +9,7 @@ import re
 from collections import Counter
 from typing import Any
 
-import pytest
-
 pytest_plugins = ("celery.contrib.pytest",)
-
-
-@pytest.fixture(scope="session")
-def docker_client() -> None:
-    """No Docker engine here: pytest-celery's container tests skip."""
-    pytest.skip("no Docker engine available for pytest-celery containers")
 
 
 _SERVER_ENV = re.compile(r"\bCELERY_LEASE_TEST_[A-Z_]+\b")

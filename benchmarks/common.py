@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.helpers import wait_for  # shared with the test suite
+from tests.helpers import Worker  # one process wrapper, shared with the test suite
+from tests.helpers import wait_for as wait_for  # re-exported for the benchmarks
 
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH_APP = "benchmarks.benchapp"
 
 #: Admin URL of a PostgreSQL server; each run creates its own database and drops it.
 PG_ENV = "CELERY_LEASE_BENCH_PG_URL"
@@ -67,90 +65,31 @@ def unique(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:10]}"
 
 
-class Proc:
-    """A ``celery`` subprocess in its own session (PID = group id), stopped by that PID."""
+def worker(
+    env: dict[str, str],
+    log_path: Path,
+    name: str,
+    *,
+    pool: str = "prefork",
+    concurrency: int = 2,
+    loglevel: str = "WARNING",
+) -> Worker:
+    """``celery -A benchmarks.benchapp worker`` with the given pool, run from the log's folder."""
+    return Worker(
+        env,
+        log_path,
+        name=name,
+        app=BENCH_APP,
+        pool=pool,
+        concurrency=concurrency,
+        loglevel=loglevel,
+        cwd=log_path.parent,
+    )
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, name: str) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", *args],
-            env={**os.environ, **env, "PYTHONPATH": str(REPO)},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=str(log_path.parent),
-        )
-        self.pid = self.proc.pid
 
-    @classmethod
-    def worker(
-        cls,
-        env: dict[str, str],
-        log_path: Path,
-        name: str,
-        *,
-        pool: str = "prefork",
-        concurrency: int = 2,
-        loglevel: str = "WARNING",
-    ) -> Proc:
-        """``celery -A benchmarks.benchapp worker`` with the given pool."""
-        args = [
-            "-A",
-            "benchmarks.benchapp",
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-n",
-            f"{name}@%h",
-            "-l",
-            loglevel,
-            "--without-heartbeat",
-            "--without-gossip",
-            "--without-mingle",
-        ]
-        return cls(args, env, log_path, name)
-
-    def log(self) -> str:
-        """What the process has logged so far."""
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60.0) -> Proc:
-        """Block until the worker logs ``ready.`` (needs ``-l INFO``)."""
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early:\n{self.log()[-3000:]}")
-            return " ready." in self.log()
-
-        wait_for(ready, timeout, 0.05, f"{self.name} to be ready")
-        return self
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the process group this object created."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
-
-    def kill9(self) -> None:
-        """SIGKILL the whole group and reap the main process."""
-        self.signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM (warm shutdown), then SIGKILL the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout)
-        self.signal_group(signal.SIGKILL)
-        if self.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-        self._log.close()
+def celery_process(command: list[str], env: dict[str, str], log_path: Path, name: str) -> Worker:
+    """``celery -A benchmarks.benchapp <command...>`` (beat, say), run from the log's folder."""
+    return Worker(env, log_path, name=name, app=BENCH_APP, command=command, cwd=log_path.parent)
 
 
 def read_marks(folder: Path) -> list[tuple[str, list[str]]]:

@@ -31,7 +31,7 @@ from typing import Any
 from celery_lease import LeaseStore
 
 from .benchapp import make_app
-from .common import Proc, median, read_marks, table, unique, wait_for
+from .common import Worker, celery_process, median, read_marks, table, unique, wait_for, worker
 
 LEASE_SECONDS = 6.0
 HEARTBEAT = 2.0
@@ -67,17 +67,17 @@ def run(trials: int, work: Path, log: Any = print) -> tuple[str, dict[str, Any]]
     store = LeaseStore.from_url(db_url)
     store.create_schema()
     producer = make_app(env)
-    procs: list[Proc] = []
+    procs: list[Worker] = []
 
-    def start(name: str) -> Proc:
-        proc = Proc.worker(env, base / f"{name}.log", name, concurrency=1, loglevel="INFO")
+    def start(name: str) -> Worker:
+        proc = worker(env, base / f"{name}.log", name, concurrency=1, loglevel="INFO")
         procs.append(proc)
-        return proc.wait_ready()
+        return proc.wait_ready(60.0)
 
     results: dict[str, list[tuple[float, float]]] = {"kill -9": [], "SIGQUIT": []}
     try:
-        beat_args = ["-A", "benchmarks.benchapp", "beat", "-s", str(base / "beat-schedule")]
-        procs.append(Proc([*beat_args, "-l", "INFO"], env, base / "beat.log", "beat"))
+        beat_args = ["beat", "-s", str(base / "beat-schedule"), "-l", "INFO"]
+        procs.append(celery_process(beat_args, env, base / "beat.log", "beat"))
         for trial in range(trials):
             for how in ("kill -9", "SIGQUIT"):
                 a = start(unique("a"))
@@ -108,11 +108,11 @@ def run(trials: int, work: Path, log: Any = print) -> tuple[str, dict[str, Any]]
                     f"(lease had {left:.2f}s left)"
                 )
                 for proc in (a, b):
-                    proc.stop()
+                    proc.stop(20.0)
                     procs.remove(proc)
     finally:
         for proc in procs:
-            proc.stop()
+            proc.stop(20.0)
         producer.close()
         store.dispose()
     bound = LEASE_SECONDS + HEARTBEAT + 1

@@ -35,7 +35,7 @@ from sqlalchemy.engine import make_url
 from celery_lease import LeaseStore
 
 from .benchapp import make_app
-from .common import Proc, median, read_marks, unique, wait_for
+from .common import median, read_marks, unique, wait_for, worker
 
 POOL = "prefork"
 CONCURRENCY = 2
@@ -164,22 +164,22 @@ def run_one(
         servers += ("postgres",)
     elif setup.lease_db == "pgbouncer":
         servers += ("postgres", "pgbouncer")
-    worker = Proc.worker(env, run_dir / "worker.log", unique("bw"), concurrency=CONCURRENCY)
+    worker_proc = worker(env, run_dir / "worker.log", unique("bw"), concurrency=CONCURRENCY)
     try:
 
         def finished() -> int:
-            if worker.proc.poll() is not None:
-                raise RuntimeError(f"worker exited:\n{worker.log()[-3000:]}")
+            if worker_proc.proc.poll() is not None:
+                raise RuntimeError(f"worker exited:\n{worker_proc.log()[-3000:]}")
             return sum(1 for kind, _ in read_marks(marks) if kind == "E")
 
         # CPU is counted from the first finished task to the last, so that
         # worker start-up is left out like it is from the rate.
         wait_for(lambda: finished() >= 1, 60, 0.01, f"the first task ({setup.label})")
-        cpu_start, done_start = cpu_seconds(worker.pid, servers), finished()
+        cpu_start, done_start = cpu_seconds(worker_proc.pid, servers), finished()
         wait_for(lambda: finished() >= n, 60 + n / 20, 0.05, f"{n} tasks ({setup.label})")
-        cpu_used, done_during = cpu_seconds(worker.pid, servers) - cpu_start, n - done_start
+        cpu_used, done_during = cpu_seconds(worker_proc.pid, servers) - cpu_start, n - done_start
     finally:
-        worker.stop()
+        worker_proc.stop(20.0)
         if setup.broker == "redis" and redis_url:
             _clean_redis(redis_url, env["BENCH_QUEUE"])
         if setup.broker == "amqp" and amqp_url:

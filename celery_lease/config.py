@@ -69,9 +69,27 @@ APP_SETTING_NAMES = (*SETTING_NAMES, "lease_retention", "lease_metrics")
 LOCAL_BROKER_SCHEMES = frozenset({"memory", "filesystem", "sqla+sqlite", "sqlite"})
 
 
+def sqlite_url(path: str | os.PathLike[str]) -> str:
+    """The SQLAlchemy URL of a SQLite file (made absolute)."""
+    return "sqlite:///" + os.path.abspath(os.fspath(path))
+
+
 def default_database_url() -> str:
     """A SQLite file in the current working directory, as an absolute URL."""
-    return "sqlite:///" + os.path.abspath(DEFAULT_SQLITE_FILE)
+    return sqlite_url(DEFAULT_SQLITE_FILE)
+
+
+def sweep_interval(conf: Mapping[str, Any]) -> float:
+    """``lease_sweep_interval``, validated: seconds between two sweeps."""
+    return _positive(conf, "lease_sweep_interval", 60.0, MAX_SWEEP_INTERVAL)
+
+
+def beat_sweep_interval(conf: Mapping[str, Any]) -> float:
+    """The sweep's beat interval: the default for a bad value, which the worker reports."""
+    try:
+        return sweep_interval(conf)
+    except ImproperlyConfigured:
+        return 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,18 +157,18 @@ class LeaseConfig:
             namespace=_name(conf, "lease_namespace"),
             concurrency_key=_callable(conf, "lease_concurrency_key"),
             max_concurrency=max_concurrency,
-            sweep_interval=_positive(conf, "lease_sweep_interval", 60.0, MAX_SWEEP_INTERVAL),
+            sweep_interval=sweep_interval(conf),
             retention=_retention(conf),
         )
 
     @classmethod
     def from_app(cls, app: Celery) -> LeaseConfig:
-        """The app's settings, validated once and cached on the app."""
-        cached: LeaseConfig | None = getattr(app, "_celery_lease_config", None)
-        if cached is None:
-            cached = cls.from_mapping(_app_settings(app))
-            app._celery_lease_config = cached
-        return cached
+        """The app's settings, validated (each call reads ``app.conf`` again).
+
+        The worker and tasks keep the result in the app's runtime
+        (:func:`celery_lease.runtime.app_config`).
+        """
+        return cls.from_mapping(_app_settings(app))
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> LeaseConfig:
         """This config with per-task ``lease_*`` values applied and re-validated."""

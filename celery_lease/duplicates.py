@@ -8,7 +8,6 @@ from typing import Any
 from celery import states
 from celery.exceptions import Ignore
 
-from .app import Runtime
 from .config import LeaseConfig
 from .errors import (
     LeaseDatabaseError,
@@ -16,6 +15,7 @@ from .errors import (
 )
 from .events import emit
 from .republish import Republishing, busy_delay
+from .runtime import Runtime
 from .sanitize import describe_exception
 from .schema import CANCELLED, SUCCEEDED
 from .store import ClaimResult

@@ -58,7 +58,8 @@ HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 _SWEEP_ACTIONS = ("expired", "stranded", "failed", "cancelled", "handoff")
 
 _lock = threading.Lock()
-_enabled: dict[int, LeaseMetrics] = {}
+#: The metrics enabled in this process, one per registry (found by identity, not ``id()``).
+_enabled: list[LeaseMetrics] = []
 
 
 def _prometheus() -> Any:
@@ -178,10 +179,10 @@ def enable(registry: Any = None) -> LeaseMetrics:
     prom = _prometheus()
     target = registry if registry is not None else prom.REGISTRY
     with _lock:
-        metrics = _enabled.get(id(target))
-        if metrics is None or metrics.registry is not target:
+        metrics = next((found for found in _enabled if found.registry is target), None)
+        if metrics is None:
             metrics = LeaseMetrics(target)
-            _enabled[id(target)] = metrics
+            _enabled.append(metrics)
         add_listener(metrics)
         add_transition_listener(metrics.on_transition)
     return metrics

@@ -9,7 +9,6 @@ from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
 
-from .app import Runtime
 from .config import LeaseConfig
 from .duplicates import DuplicateOutcomes
 from .errors import (
@@ -20,6 +19,7 @@ from .errors import (
 from .events import emit
 from .lease import Lease
 from .republish import backoff_delay
+from .runtime import Runtime
 from .sanitize import describe_exception
 from .schema import SUCCEEDED
 

@@ -11,7 +11,6 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 from sqlalchemy.exc import SQLAlchemyError
 
-from .app import runtime_for
 from .config import LeaseConfig
 from .errors import (
     LeaseBusy,
@@ -21,6 +20,7 @@ from .errors import (
 )
 from .events import emit
 from .runids import TaskSettings
+from .runtime import runtime_for
 from .sanitize import describe_exception
 from .schema import RUNNING
 from .store import ClaimResult

@@ -12,9 +12,8 @@ from celery import Task
 from kombu.serialization import dumps
 
 from .config import SETTING_NAMES, LeaseConfig
-from .errors import (
-    InvalidLeaseKey,
-)
+from .errors import InvalidLeaseKey
+from .runtime import app_config, app_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,9 @@ class TaskSettings(Task):  # type: ignore[misc]
 
     def lease_config(self) -> LeaseConfig:
         """The app's lease settings with this task's ``lease_*`` options applied."""
-        cached: LeaseConfig | None = self.__dict__.get("_lease_config")
-        if cached is None:
+        configs = app_runtime(self.app).task_configs  # kept per app: reset() drops them
+        cached = configs.get(self.name)
+        if cached is None or cached[0] is not self:
             overrides: dict[str, Any] = {}
             for name in SETTING_NAMES:
                 value = inspect.getattr_static(self, name, None)
@@ -59,9 +59,9 @@ class TaskSettings(Task):  # type: ignore[misc]
                     value = value.__func__
                 if value is not None:
                     overrides[name] = value
-            cached = LeaseConfig.from_app(self.app).with_overrides(overrides)
-            self.__dict__["_lease_config"] = cached
-        return cached
+            cached = (self, app_config(self.app).with_overrides(overrides))
+            configs[self.name] = cached
+        return cached[1]
 
     def lease_run_id(self, *args: Any, **kwargs: Any) -> str:
         """The run id a keyed task uses for these arguments (``namespace:key``).

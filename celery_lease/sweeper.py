@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from datetime import datetime, timezone
 from typing import Any
 
 from celery import Celery
-from kombu.serialization import loads, prepare_accept_content
 
-from .config import LeaseConfig
-from .errors import LeaseError
 from .events import emit
+from .requeue import (
+    MessageNotAccepted,
+    SweepReport,
+    decode_message,
+    message_expired,
+    requeue,
+    requeue_all,
+)
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
-from .sanitize import describe_exception
+from .runtime import app_config, store_for
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
 
@@ -23,169 +26,18 @@ logger = logging.getLogger(__name__)
 SWEEP_TASK_NAME = "celery_lease.sweep"
 BEAT_ENTRY_NAME = "celery-lease-sweep"
 
-
-@dataclasses.dataclass
-class SweepReport:
-    """What one sweep did, as lists of run ids."""
-
-    requeued: list[str] = dataclasses.field(default_factory=list)
-    failed: list[str] = dataclasses.field(default_factory=list)
-    cancelled: list[str] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
-    #: Finished rows deleted by the retention step, per status.
-    purged: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The report as plain data (the sweep task's result)."""
-        return dataclasses.asdict(self)
-
-
-class MessageNotAccepted(LeaseError):
-    """A stored message is in a format the app's ``accept_content`` does not allow.
-
-    It is never deserialized: a table row must not run code.
-    """
-
-    code = "payload_not_accepted"
-
-
-#: Options a re-publish drops: the run is due now, whatever the stored message said.
-_DELAY_OPTIONS = ("countdown", "eta")
-
-
-def decode_message(app: Celery, payload: bytes, content_type: str) -> dict[str, Any]:
-    """Decode a stored message, only with a serializer in the app's ``accept_content``.
-
-    Raises:
-        MessageNotAccepted: the content type is not accepted; nothing was decoded.
-    """
-    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
-    if content_type not in accept:
-        raise MessageNotAccepted(
-            f"payload_not_accepted: stored message is {content_type!r}, "
-            f"accept_content allows {sorted(accept)}"
-        )
-    body: Any = loads(payload, content_type, "utf-8", accept=accept)  # type: ignore[no-untyped-call]
-    if not isinstance(body, dict):
-        raise MessageNotAccepted("payload_not_accepted: stored message is not a mapping")
-    return body
-
-
-def requeue(app: Celery, record: RunRecord) -> None:
-    """Publish the run's stored delivery again: the message Celery itself would send.
-
-    The stored message is what ``Task.signature_from_request`` keeps of the
-    delivery that claimed the run: its task id (the one the caller holds), chain,
-    chord, group, links, parent and root ids, headers, retries, routing, expiry
-    and time limits.
-    """
-    if record.payload is None or record.payload_content_type is None:
-        raise ValueError(f"run {record.id} has no stored message to publish again")
-    body = decode_message(app, record.payload, record.payload_content_type)
-    options = {
-        key: value
-        for key, value in dict(body.get("options") or {}).items()
-        if key not in _DELAY_OPTIONS
-    }
-    args = list(body.get("args") or ())
-    kwargs = dict(body.get("kwargs") or {})
-    options.setdefault("task_id", record.task_id or record.id)
-    task = app.tasks.get(record.task_name)
-    if task is not None:
-        task.apply_async(args, kwargs, **options)
-    else:
-        app.send_task(record.task_name, args=args, kwargs=kwargs, **options)
-
-
-def message_expired(app: Celery, record: RunRecord) -> bool:
-    """True when the stored message carries an ``expires`` that has passed (worker clock).
-
-    Celery itself revokes an expired message on arrival; publishing it again
-    would only have it revoked again.
-    """
-    if record.payload is None or record.payload_content_type is None:
-        return False
-    try:
-        expires = decode_message(app, record.payload, record.payload_content_type)
-    except Exception:
-        return False
-    value = dict(expires.get("options") or {}).get("expires")
-    if value is None:
-        return False
-    if isinstance(value, (int, float)):
-        return False  # a relative expiry was already turned into a date when sent
-    when = value if isinstance(value, datetime) else _parse_time(str(value))
-    if when is None:
-        return False
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    return when <= datetime.now(timezone.utc)
-
-
-def _parse_time(text: str) -> datetime | None:
-    try:
-        return datetime.fromisoformat(text)
-    except ValueError:
-        return None
-
-
-def requeue_all(
-    app: Celery,
-    records: list[RunRecord],
-    report: SweepReport,
-    action: str,
-    store: LeaseStore | None = None,
-) -> None:
-    """Re-enqueue each record, noting successes and failures in ``report``.
-
-    A record whose stored message is not accepted is ended ``failed``
-    (``payload_not_accepted``) through ``store``, and never decoded. A record
-    with no stored message (a direct call or eager ``apply()``) is left for a
-    real delivery to claim.
-    """
-    for record in records:
-        if record.payload is None:
-            continue
-        try:
-            if store is not None and message_expired(app, record):
-                if store.refuse_message(
-                    record, "expired", "the message expired (expires)", status=CANCELLED
-                ):
-                    report.cancelled.append(record.id)
-                    emit("swept", record.id, "run %s: message expired", record.id, action="expired")
-                continue
-            requeue(app, record)
-        except MessageNotAccepted as exc:
-            report.failed.append(record.id)
-            emit(
-                "sweep_error",
-                record.id,
-                "run %s: %s",
-                record.id,
-                exc,
-                level=logging.ERROR,
-                failure_code=exc.code,
-            )
-            if store is not None:
-                try:
-                    store.refuse_message(record, exc.code, str(exc))
-                except LeaseError as db_exc:  # recorded next sweep: it is refused again
-                    report.errors.append(record.id)
-                    logger.warning("run %s: %s", record.id, describe_exception(db_exc))
-            continue
-        except Exception as exc:
-            report.errors.append(record.id)
-            emit(
-                "sweep_error",
-                record.id,
-                "run %s: could not re-enqueue: %s",
-                record.id,
-                describe_exception(exc),
-                level=logging.ERROR,
-            )
-            continue
-        report.requeued.append(record.id)
-        emit("swept", record.id, "run %s: re-enqueued (%s)", record.id, action, action=action)
+__all__ = [
+    "BEAT_ENTRY_NAME",
+    "SWEEP_TASK_NAME",
+    "MessageNotAccepted",
+    "SweepReport",
+    "decode_message",
+    "message_expired",
+    "register_sweep_task",
+    "requeue",
+    "requeue_all",
+    "sweep",
+]
 
 
 def sweep(
@@ -206,9 +58,7 @@ def sweep(
     ``purge_limit`` finished rows older than ``lease_retention`` are deleted,
     in batches started within ``purge_budget`` seconds (0 rows skips the step).
     """
-    from .app import store_for
-
-    config = LeaseConfig.from_app(app)
+    config = app_config(app)
     store = store or store_for(app)
     report = SweepReport()
     to_requeue: list[RunRecord] = []

@@ -34,7 +34,7 @@ from celery.utils.serialization import raise_with_context
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import dberrors
-from .app import Runtime, install, runtime_for, shutting_down, worker_id
+from .app import install
 from .config import LeaseConfig
 from .duplicates import RESULT_WAIT_TRIES, DuplicateOutcomes
 from .errors import (
@@ -58,6 +58,7 @@ from .republish import (
     native_delay_countdown,
 )
 from .runids import MAX_RUN_ID_LENGTH, TaskSettings, fit_run_id, scoped_run_id
+from .runtime import Runtime, app_runtime, runtime_for, shutting_down, worker_id
 from .schema import CANCELLED, FAILED, SUCCEEDED
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class LeasedTask(RunOutcomes):
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
             started_at=started_at,
-            interrupt=config.interrupt and not self.app.__dict__.get("_celery_lease_green_pool"),
+            interrupt=config.interrupt and not app_runtime(self.app).green_pool,
             max_attempts=claim.max_attempts,
         )
         return self._run_body(config, runtime, lease, args, kwargs)

@@ -38,10 +38,10 @@ from typing import Any
 
 from celery import Celery
 
-from .app import runtime_for, store_for
-from .config import LeaseConfig
+from .config import sqlite_url
 from .errors import LeaseError
 from .owner import Owner
+from .runtime import app_config, app_runtime, runtime_for, store_for
 from .store import ClaimResult, HeartbeatResult, LeaseStore, RunNotFound, RunRecord
 
 __all__ = [
@@ -56,11 +56,6 @@ __all__ = [
     "temporary_lease_store",
     "use_lease_database",
 ]
-
-
-def sqlite_url(path: str | os.PathLike[str]) -> str:
-    """The SQLAlchemy URL of a SQLite file."""
-    return "sqlite:///" + os.path.abspath(os.fspath(path))
 
 
 def lease_store_at(path: str | os.PathLike[str]) -> LeaseStore:
@@ -102,9 +97,7 @@ def use_lease_database(
     app.conf.update(lease_database_url=url, **settings)
     if eager:
         app.conf.update(task_always_eager=True, task_eager_propagates=True)
-    app.__dict__.pop("_celery_lease_config", None)
-    for task in list(app.tasks.values()):
-        task.__dict__.pop("_lease_config", None)
+    app_runtime(app).forget_settings()
     store = store_for(app)
     store.create_schema()
     return store
@@ -112,11 +105,7 @@ def use_lease_database(
 
 def shutdown_leases(app: Celery) -> None:
     """Stop the app's heartbeat threads and close its lease database connections."""
-    runtimes: dict[str, Any] = app.__dict__.get("_celery_lease_runtimes", {})
-    for runtime in list(runtimes.values()):
-        runtime.heartbeat.stop(timeout=5.0)
-        runtime.store.dispose()
-    runtimes.clear()
+    app_runtime(app).reset()
 
 
 def run_record(store: LeaseStore, run_id: str) -> RunRecord:
@@ -192,7 +181,7 @@ def heartbeat_now(app: Celery) -> HeartbeatResult | None:
     Call it from a thread other than the task body when ``lease_interrupt`` is
     on: a tick that finds the lease lost interrupts the body.
     """
-    return runtime_for(app, LeaseConfig.from_app(app)).heartbeat.beat_once()
+    return runtime_for(app, app_config(app)).heartbeat.beat_once()
 
 
 try:

@@ -97,7 +97,7 @@ class Settings:
         if self.broker_folder is not None:
             # The filesystem transport needs its folders spelled out; in and
             # out are the same folder so producers and workers share it.
-            conf["broker_transport"] = "celery_lease.fs_transport:Transport"
+            conf["broker_transport"] = "celery_lease.contrib.fs_transport:Transport"
             conf["broker_transport_options"] = {
                 "data_folder_in": str(self.broker_folder),
                 "data_folder_out": str(self.broker_folder),

@@ -26,6 +26,7 @@ from celery.backends.database.models import ResultModelBase
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
+from celery_lease.config import sqlite_url as sqlite_file_url
 from celery_lease.store import LeaseStore
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import Worker, require, scratch_database
@@ -70,7 +71,7 @@ def mysql_url() -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file in the test's temp dir."""
-    return f"sqlite:///{tmp_path / 'leases.sqlite3'}"
+    return sqlite_file_url(tmp_path / "leases.sqlite3")
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "mysql"])

@@ -149,7 +149,8 @@ def queue_for(
 
 
 class Worker:
-    """One ``celery worker`` process group started by a test, stopped by its PID."""
+    """One ``celery worker`` (or, with ``command``, any ``celery``) process group, stopped by
+    its PID. The test suite and the benchmarks (``benchmarks/common.py``) both use it."""
 
     def __init__(
         self,
@@ -164,6 +165,7 @@ class Worker:
         command: list[str] | None = None,
         node: str | None = None,
         cwd: Path | None = None,
+        loglevel: str = "INFO",
     ) -> None:
         self.log_path = log_path
         self.name = name
@@ -182,7 +184,7 @@ class Worker:
             "-n",
             node or f"{name}@%h",
             "-l",
-            "INFO",
+            loglevel,
             "--without-heartbeat",
             "--without-gossip",
             "--without-mingle",

@@ -154,7 +154,7 @@ def test_default_sqlite_with_a_local_broker_is_fine(broker: str) -> None:
 
 def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
     """A misspelled lease_* task option, which Celery would keep silently, is refused."""
-    from celery_lease.app import _check_worker_startup
+    from celery_lease.worker import _check_worker_startup
 
     app = Celery("opt", set_as_current=False, broker="memory://")
     app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"

@@ -12,7 +12,6 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from prometheus_client import CollectorRegistry
 
-import celery_lease.app
 from celery_lease import Lease, LeasedTask, LeaseLost, install, testing
 from celery_lease import metrics as lease_metrics
 from celery_lease.app import store_for
@@ -155,7 +154,6 @@ def test_enable_is_idempotent_per_registry() -> None:
 def test_lease_metrics_setting_enables_on_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """app.conf.lease_metrics = True makes install() enable metrics; other values are refused."""
     enabled: list[object] = []
-    monkeypatch.setattr(celery_lease.app, "_installed_apps", [])  # keep these apps local
     monkeypatch.setattr(lease_metrics, "enable", lambda registry=None: enabled.append(registry))
     app = Celery("m1", set_as_current=False)
     app.conf.lease_metrics = True

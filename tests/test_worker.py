@@ -258,7 +258,7 @@ def test_startup_errors_split_into_permanent_and_transient(
     and a failing DNS server are waited out."""
     from sqlalchemy.exc import OperationalError
 
-    from celery_lease.app import _permanent_problem
+    from celery_lease.worker import _permanent_problem
 
     problem = _permanent_problem(OperationalError("SELECT 1", {}, Exception(message)))
     if verdict is None:

@@ -1,0 +1,262 @@
+"""The ``lease`` command group and what its commands share: errors, the store, formatting.
+
+``celery -A proj lease ...``: the operator's commands.
+
+Installed as a ``celery.commands`` entry point, so it runs with the app Celery
+loaded from ``-A`` and reads ``lease_database_url`` from its settings (or from
+``--database-url``). Times stored in the run row are epoch milliseconds taken
+from the database clock; they are shown in UTC, with ages and lease time left
+computed against the database's clock too, never this machine's.
+
+Every failure an operator can cause (unknown run id, unreachable database,
+bad URL or settings, missing table) ends with one line on stderr and exit
+status 1; usage errors exit 2. Database URLs are always shown without password.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import click
+from celery.exceptions import ImproperlyConfigured
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from ..config import LeaseConfig
+from ..errors import LeaseDatabaseError, LeaseError
+from ..owner import Owner
+from ..sanitize import safe_url, sanitize
+from ..schema import (
+    RUNNING,
+    TABLE_NAME,
+)
+from ..store import LeaseStore, RunNotFound, RunRecord
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_URL_KEY = "celery_lease.database_url"
+
+#: The columns of ``runs`` and ``show --json``; ``payload`` is summarized, not printed.
+RECORD_FIELDS = (
+    "id",
+    "task_name",
+    "status",
+    "lease_owner",
+    "lease_expires_at",
+    "lease_ms",
+    "heartbeat_at",
+    "attempt",
+    "max_attempts",
+    "available_at",
+    "cancel_requested_at",
+    "started_at",
+    "finished_at",
+    "last_error",
+    "failure_code",
+    "concurrency_key",
+    "payload_content_type",
+    "created_at",
+    "updated_at",
+)
+TIME_FIELDS = frozenset(
+    {
+        "lease_expires_at",
+        "heartbeat_at",
+        "available_at",
+        "cancel_requested_at",
+        "started_at",
+        "finished_at",
+        "created_at",
+        "updated_at",
+    }
+)
+
+
+class _Failure(click.ClickException):
+    """One clear line on stderr and exit status 1 (click prints ``Error: ...``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The driver's own message, first line only, sanitized."""
+    inner = getattr(exc, "orig", None) or exc
+    text = str(inner).strip().splitlines()
+    return sanitize(f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": "), 300)
+
+
+def _operator_errors(fun: F) -> F:
+    """Turn the failures an operator can cause into one line and exit status 1."""
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fun(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except ImproperlyConfigured as exc:
+            raise _Failure(sanitize(str(exc))) from None
+        except RunNotFound as exc:
+            raise _Failure(f"no run with id {exc.run_id!r}") from None
+        except LeaseDatabaseError as exc:
+            url = click.get_current_context().meta.get(_URL_KEY, "?")
+            raise _Failure(f"lease database {url}: {sanitize(str(exc))}") from None
+        except LeaseError as exc:
+            raise _Failure(sanitize(str(exc))) from None
+        except SQLAlchemyError as exc:
+            url = click.get_current_context().meta.get(_URL_KEY, "?")
+            raise _Failure(f"lease database {url}: {_first_line(exc)}") from None
+
+    return cast(F, wrapper)
+
+
+# -- resolving the database -----------------------------------------------------
+
+
+def _database_url(ctx: click.Context) -> str:
+    """The lease database URL: ``--database-url`` or the app's ``lease_database_url``."""
+    override: str | None = ctx.find_root().meta.get("celery_lease.override")
+    if override is None:
+        url = LeaseConfig.from_app(ctx.obj.app).database_url
+    else:
+        url = LeaseConfig.from_mapping({"lease_database_url": override}).database_url
+    ctx.meta[_URL_KEY] = safe_url(url)
+    return url
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names (None for other databases or in-memory)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return str(parsed.database)
+
+
+def _open_store(ctx: click.Context) -> LeaseStore:
+    """A store on the lease database, which must exist and hold the runs table."""
+    url = _database_url(ctx)
+    shown = safe_url(url)
+    path = _sqlite_file(url)
+    if path is not None and not os.path.exists(path):
+        # Connecting would silently create an empty file; say what is wrong instead.
+        raise _Failure(
+            f"lease database {shown}: SQLite file does not exist (check lease_database_url "
+            "and the working directory)"
+        )
+    store = LeaseStore.from_url(url)
+    ctx.call_on_close(store.dispose)
+    if not store.has_schema():
+        raise _Failure(
+            f"lease database {shown} has no {TABLE_NAME} table: run "
+            "`celery -A <app> lease migrate` (or start a worker, on SQLite)"
+        )
+    return store
+
+
+# -- formatting -------------------------------------------------------------------
+
+
+def format_time(ms: int | None) -> str:
+    """Epoch milliseconds as ``YYYY-MM-DD HH:MM:SS.mmmZ`` (UTC); ``-`` for None."""
+    if ms is None:
+        return "-"
+    moment = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def format_duration(ms: int) -> str:
+    """A short human duration: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
+    ms = abs(ms)
+    if ms < 1000:
+        return f"{ms}ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def format_relative(ms: int | None, now: int) -> str:
+    """``ms`` relative to the database's ``now``: ``12.0s ago`` or ``in 3.1s``."""
+    if ms is None:
+        return "-"
+    delta = ms - now
+    return f"in {format_duration(delta)}" if delta > 0 else f"{format_duration(delta)} ago"
+
+
+def lease_left(record: RunRecord, now: int) -> str:
+    """The lease's time left by the database clock, for a running run."""
+    if record.status != RUNNING or record.lease_expires_at is None:
+        return "-"
+    left = record.lease_expires_at - now
+    return f"{format_duration(left)} left" if left > 0 else f"expired {format_duration(left)} ago"
+
+
+def record_data(record: RunRecord, now: int) -> dict[str, Any]:
+    """A run as JSON-ready data: every column (times as epoch ms) plus derived fields."""
+    data: dict[str, Any] = {name: getattr(record, name) for name in RECORD_FIELDS}
+    if data["last_error"] is not None:
+        data["last_error"] = sanitize(data["last_error"])
+    data["payload_bytes"] = None if record.payload is None else len(record.payload)
+    # A finished run's arguments are cleared when it ends (they are often personal data).
+    data["payload_cleared"] = record.terminal and record.payload is None
+    data["lease_left_ms"] = (
+        record.lease_expires_at - now
+        if record.status == RUNNING and record.lease_expires_at is not None
+        else None
+    )
+    data["db_now"] = now
+    return data
+
+
+def _short_owner(owner: str | None) -> str:
+    """``host:pid`` of an owner (its random part only matters to the guard)."""
+    return Owner.parse(owner).short() if owner else "-"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain, left-aligned text table."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+    return "\n".join(lines)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+# -- the commands -------------------------------------------------------------------
+
+
+@click.group(name="lease", invoke_without_command=False)
+@click.option(
+    "--database-url",
+    metavar="URL",
+    default=None,
+    help="Lease database to use instead of the app's lease_database_url.",
+)
+@click.pass_context
+def lease(ctx: click.Context, /, database_url: str | None, **kwargs: Any) -> None:
+    """Inspect and operate celery-lease runs (the celery_lease_runs table)."""
+    ctx.find_root().meta["celery_lease.override"] = database_url

@@ -1,0 +1,325 @@
+"""``lease sweep``, ``migrate``, ``stats`` and ``purge``: the table as a whole."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from ..sanitize import safe_url
+from ..schema import (
+    STATUSES,
+    TABLE_NAME,
+    TERMINAL_STATUSES,
+)
+from ..store import PURGE_BATCH, RunRecord
+from .common import (
+    _URL_KEY,
+    _database_url,
+    _echo_json,
+    _open_store,
+    _operator_errors,
+    format_relative,
+    format_time,
+    lease,
+    lease_left,
+    record_data,
+)
+
+
+@lease.command()
+@click.option("--limit", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+@_operator_errors
+def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
+    """Run the sweeper once: recover runs whose lease expired, and print what it did."""
+    from ..sweeper import sweep as run_sweep
+
+    store = _open_store(ctx)
+    report = run_sweep(ctx.obj.app, store, limit=limit)
+    data = {
+        "requeued": list(report.requeued),
+        "failed": list(report.failed),
+        "cancelled": list(report.cancelled),
+        "errors": list(getattr(report, "errors", [])),
+    }
+    purged = {status: n for status, n in report.purged.items() if n}
+    if as_json:
+        _echo_json({**data, "purged": purged})
+    else:
+        labels = {
+            "requeued": "re-enqueued (retrying)",
+            "failed": "failed (lease expired, attempts spent)",
+            "cancelled": "cancelled (cancel was requested)",
+            "errors": "could not be re-enqueued",
+        }
+        if not any(data.values()) and not purged:
+            click.echo("nothing to sweep")
+        if purged:
+            counts = ", ".join(f"{status} {n}" for status, n in purged.items())
+            click.echo(f"deleted (finished, older than lease_retention): {counts}")
+        for key, ids in data.items():
+            if ids:
+                click.echo(f"{labels[key]}: {len(ids)}")
+                for run_id in ids:
+                    click.echo(f"  {run_id}")
+    if data["errors"]:
+        ctx.exit(1)
+
+
+@lease.command()
+@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option(
+    "--lock-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for another migrate run on the same database to finish.",
+)
+@click.pass_context
+@_operator_errors
+def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
+    """Apply the shipped migrations (version table: celery_lease_alembic_version).
+
+    Runs at once on one database are safe: each takes the database's migration
+    lock, so one migrates and the others wait, then find the schema current.
+    """
+    from ..migrations import upgrade
+
+    url = _database_url(ctx)
+    shown = safe_url(url)
+    result = upgrade(url, revision, lock_timeout=lock_timeout)
+    if result.adopted:
+        click.echo(
+            f"{shown}: existing {TABLE_NAME} matches this version; recorded it at revision "
+            f"{result.after}"
+        )
+    elif result.before == result.after:
+        click.echo(f"{shown}: already at revision {result.after}")
+    else:
+        click.echo(f"{shown}: migrated {result.before or '(empty)'} -> {result.after}")
+
+
+@lease.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@_operator_errors
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Counts per status, live leases, the oldest running run, recent lease expiries."""
+    store = _open_store(ctx)
+    data = store.stats()
+    now: int = data["now"]
+    counts: dict[str, int] = {status: data["counts"].get(status, 0) for status in STATUSES}
+    oldest: RunRecord | None = data["oldest_running"]
+    not_recorded = (
+        "a worker that loses its lease writes nothing to the table, so lease losses seen by "
+        "workers are not counted here: use the celery_lease_lease_lost_total metric or log "
+        "records with lease_event=lost"
+    )
+    if as_json:
+        _echo_json(
+            {
+                "db_now": now,
+                "counts": counts,
+                "total": sum(counts.values()),
+                "live_leases": data["live_leases"],
+                "expired_leases": data["expired_leases"],
+                "oldest_running": None if oldest is None else record_data(oldest, now),
+                "lease_expired_last_hour": data["lease_expired_recent"],
+                "lease_lost_at_workers": None,
+                "note": not_recorded,
+            }
+        )
+        return
+    click.echo(f"lease database   {ctx.meta[_URL_KEY]}")
+    click.echo(f"database clock   {format_time(now)}")
+    click.echo("")
+    width = max(len(s) for s in STATUSES)
+    for status in STATUSES:
+        click.echo(f"  {status.ljust(width)}  {counts[status]}")
+    click.echo(f"  {'total'.ljust(width)}  {sum(counts.values())}")
+    click.echo("")
+    if oldest is None:
+        oldest_text = "-"
+    else:
+        oldest_text = (
+            f"{oldest.id} ({oldest.task_name}), started {format_relative(oldest.started_at, now)},"
+            f" attempt {oldest.attempt}/{oldest.max_attempts}, lease {lease_left(oldest, now)}"
+        )
+    facts = [
+        ("live leases", str(data["live_leases"])),
+        (
+            "expired leases",
+            f"{data['expired_leases']} (running rows whose lease ran out: the next claim "
+            "or sweep takes them)",
+        ),
+        ("oldest running", oldest_text),
+        (
+            "lease expired, last hour",
+            f"{data['lease_expired_recent']} (runs with failure_code=lease_expired updated in "
+            "the last hour; a run re-claimed and finished since no longer carries it)",
+        ),
+        ("lease lost at workers", f"not recorded: {not_recorded}"),
+    ]
+    label_width = max(len(label) for label, _ in facts)
+    for label, text in facts:
+        click.echo(f"{label.ljust(label_width)}  {text}")
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """``--older-than`` in seconds: ``90s``, ``15m``, ``12h``, ``7d``, ``1d12h``, ``3600``."""
+    seconds = _parse_duration(value.strip().lower())
+    if seconds is None:
+        raise click.BadParameter(
+            f"{value!r} is not a duration: use a number with a unit, e.g. 90s, 15m, 12h, 7d, "
+            "2w or 1d12h (a bare number is seconds)"
+        )
+    if not seconds > 0:
+        raise click.BadParameter(f"{value!r}: the age must be more than zero")
+    return seconds
+
+
+def _parse_duration(text: str) -> float | None:
+    """Seconds in ``text`` (``7d``, ``1d12h``, ``3600``), or None when it is not a duration."""
+    try:
+        return float(text) if text and text.replace(".", "", 1).isdigit() else _units(text)
+    except ValueError:
+        return None
+
+
+def _units(text: str) -> float | None:
+    total, number = 0.0, ""
+    for char in text:
+        if char.isdigit() or char == ".":
+            number += char
+        elif char in _DURATION_UNITS and number:
+            total += float(number) * _DURATION_UNITS[char]
+            number = ""
+        else:
+            return None
+    return None if number or not text else total
+
+
+def _status_counts(removed: dict[str, int]) -> str:
+    return ", ".join(f"{status} {n}" for status, n in removed.items())
+
+
+@lease.command()
+@click.option(
+    "--older-than",
+    "older_than",
+    callback=_duration,
+    required=True,
+    metavar="AGE",
+    help="Only runs that finished longer ago than this (e.g. 7d, 12h, 90m; DB clock).",
+)
+@click.option(
+    "--status",
+    "statuses",
+    type=click.Choice(STATUSES),
+    multiple=True,
+    metavar="STATUS",
+    help="Only this finished status: succeeded, failed or cancelled (repeatable; default: all).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1, max=100_000),
+    default=PURGE_BATCH,
+    show_default=True,
+    help="Rows per delete statement (each its own short transaction).",
+)
+@click.option(
+    "--throttle/--no-throttle",
+    default=True,
+    show_default=True,
+    help="Pause after each batch as long as it took, so claims keep their latency.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@click.pass_context
+@_operator_errors
+def purge(
+    ctx: click.Context,
+    older_than: float,
+    statuses: tuple[str, ...],
+    dry_run: bool,
+    batch: int,
+    throttle: bool,
+    as_json: bool,
+) -> None:
+    """Delete finished runs older than --older-than, in batches; print what was removed.
+
+    Live runs (queued, running, retrying) are never deleted. A duplicate
+    delivery of a run whose row is gone runs again, as after lease_retention.
+    """
+    from .. import retention
+
+    live = [s for s in statuses if s not in TERMINAL_STATUSES]
+    if live:
+        raise click.BadParameter(
+            f"{', '.join(live)} {'is' if len(live) == 1 else 'are'} live: only finished runs "
+            f"({', '.join(retention.FINISHED)}) can be purged; cancel a live run first",
+            param_hint="'--status'",
+        )
+    wanted = statuses or retention.FINISHED
+    store = _open_store(ctx)
+    now = store.now_ms()
+    cutoff = format_time(now - round(older_than * 1000))
+    if dry_run:
+        report = retention.count(store, older_than, wanted)
+    else:
+        report = retention.purge(
+            store,
+            older_than,
+            statuses=wanted,
+            batch=batch,
+            progress=_Progress(as_json),
+            throttle=throttle,
+        )
+    removed = {status: report.removed[status] for status in retention.FINISHED if status in wanted}
+    if as_json:
+        _echo_json(
+            {
+                "dry_run": dry_run,
+                "older_than_seconds": older_than,
+                "finished_before": now - round(older_than * 1000),
+                "removed": removed,
+                "total": sum(removed.values()),
+                "batches": report.batches,
+            }
+        )
+        return
+    verb = "would delete" if dry_run else "deleted"
+    total = sum(removed.values())
+    click.echo(
+        f"{verb} {total} finished run{'' if total == 1 else 's'} that finished before "
+        f"{cutoff} ({_status_counts(removed)})"
+    )
+
+
+class _Progress:
+    """A progress line on stderr every few seconds of a long purge."""
+
+    EVERY = 2.0
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.started = time.monotonic()
+        self.shown = self.started
+
+    def __call__(self, report: Any) -> None:
+        now = time.monotonic()
+        if self.quiet or now - self.shown < self.EVERY:
+            return
+        self.shown = now
+        rate = report.total / max(now - self.started, 1e-9)
+        click.echo(
+            f"... {report.total} deleted so far ({_status_counts(report.removed)}), "
+            f"{rate:.0f} rows/s",
+            err=True,
+        )

@@ -1,0 +1,293 @@
+"""``lease runs``, ``show``, ``cancel`` and ``rerun``: one run or a list of them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from ..config import LeaseConfig
+from ..sanitize import describe_exception
+from ..schema import (
+    CANCELLED,
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    STATUSES,
+    SUCCEEDED,
+)
+from ..store import RunNotFound, RunNotRerunnable, RunRecord
+from .common import (
+    RECORD_FIELDS,
+    TIME_FIELDS,
+    _echo_json,
+    _Failure,
+    _open_store,
+    _operator_errors,
+    _short_owner,
+    format_duration,
+    format_relative,
+    format_time,
+    lease,
+    lease_left,
+    record_data,
+    render_table,
+)
+
+
+@lease.command()
+@click.option("--status", type=click.Choice(STATUSES), default=None, help="Only this status.")
+@click.option("--task", "task_name", default=None, metavar="NAME", help="Only this task name.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (times in epoch ms).")
+@click.pass_context
+@_operator_errors
+def runs(
+    ctx: click.Context, status: str | None, task_name: str | None, limit: int, as_json: bool
+) -> None:
+    """List runs, newest first."""
+    store = _open_store(ctx)
+    now = store.now_ms()
+    records = store.list_runs(status=status, task_name=task_name, limit=limit)
+    if as_json:
+        _echo_json([record_data(r, now) for r in records])
+        return
+    if not records:
+        click.echo("no runs match")
+        return
+    rows = [
+        (
+            r.id,
+            r.task_name,
+            r.status + (" (cancel requested)" if r.cancel_requested_at and not r.terminal else ""),
+            f"{r.attempt}/{r.max_attempts}",
+            _short_owner(r.lease_owner) if r.status == RUNNING else "-",
+            lease_left(r, now),
+            format_relative(r.updated_at, now),
+            r.failure_code or "",
+        )
+        for r in records
+    ]
+    headers = ("ID", "TASK", "STATUS", "ATTEMPT", "OWNER", "LEASE", "UPDATED", "FAILURE")
+    click.echo(render_table(headers, rows))
+
+
+@lease.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (times in epoch ms).")
+@click.option(
+    "--payload", "show_payload", is_flag=True, help="Also print the stored task arguments."
+)
+@click.pass_context
+@_operator_errors
+def show(ctx: click.Context, run_id: str, as_json: bool, show_payload: bool) -> None:
+    """Show every column of one run, with its lease's time left by the database clock."""
+    store = _open_store(ctx)
+    now = store.now_ms()
+    record = store.get(run_id)
+    if record is None:
+        raise RunNotFound(run_id)
+    data = record_data(record, now)
+    if show_payload and record.payload is not None:
+        data["payload"] = record.payload.decode("utf-8", errors="replace")
+    if as_json:
+        _echo_json(data)
+        return
+    lines: list[tuple[str, str]] = []
+    for name in RECORD_FIELDS:
+        value = data[name]
+        if name in TIME_FIELDS and value is not None:
+            text = f"{format_time(value)}  ({format_relative(value, now)})"
+        elif name == "lease_ms":
+            text = f"{value} ({format_duration(value)})"
+        else:
+            text = "-" if value is None else str(value)
+        lines.append((name, text))
+    lines.insert(5, ("lease_left", lease_left(record, now)))
+    lines.append(("payload", _payload_text(record, data["payload_bytes"])))
+    if "payload" in data:
+        lines[-1] = ("payload", str(data["payload"]))
+    lines.append(("db_now", format_time(now)))
+    width = max(len(name) for name, _ in lines)
+    for name, text in lines:
+        click.echo(f"{name.ljust(width)}  {text}")
+
+
+def _payload_text(record: RunRecord, size: int | None) -> str:
+    """What ``show`` says about the stored message."""
+    if size is not None:
+        return f"{size} bytes (use --payload to print)"
+    if record.status == SUCCEEDED:
+        return "cleared (run succeeded: its arguments are not kept)"
+    if record.failure_code in ("expired", "payload_not_accepted"):
+        return f"cleared (the message was refused: {record.failure_code})"
+    return "- (none stored: a direct call or eager apply(), never sent to workers)"
+
+
+@lease.command()
+@click.argument("run_id")
+@click.pass_context
+@_operator_errors
+def cancel(ctx: click.Context, run_id: str) -> None:
+    """Cancel a run: queued/retrying at once; a running run stops within one heartbeat."""
+    store = _open_store(ctx)
+    status = store.cancel(run_id)
+    if status == CANCELLED:
+        click.echo(f"run {run_id} is cancelled")
+    elif status == RUNNING:
+        click.echo(
+            f"run {run_id} is running: cancel requested; its worker stops it within one "
+            "heartbeat and it ends cancelled (or, if that worker is gone, at the next sweep)"
+        )
+    else:
+        raise _Failure(f"run {run_id} already {status}: nothing to cancel")
+
+
+# -- rerun ---------------------------------------------------------------------------
+
+
+def _json_option(value: str | None, kind: type, name: str) -> Any:
+    """``--args``/``--kwargs``: JSON of the given kind, or a usage error (exit 2)."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=name) from None
+    if not isinstance(parsed, kind):
+        raise click.BadParameter(f"must be a JSON {kind.__name__}", param_hint=name)
+    return parsed
+
+
+@lease.command()
+@click.argument("run_id")
+@click.option("--force", is_flag=True, help="Also run a succeeded run again.")
+@click.option(
+    "--args",
+    "args_json",
+    default=None,
+    metavar="JSON",
+    help="Publish the run with these positional arguments (a JSON list).",
+)
+@click.option(
+    "--kwargs",
+    "kwargs_json",
+    default=None,
+    metavar="JSON",
+    help="Publish the run with these keyword arguments (a JSON object).",
+)
+@click.option(
+    "--attempts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Fresh attempts to give it (default: the task's lease_max_attempts).",
+)
+@click.pass_context
+@_operator_errors
+def rerun(
+    ctx: click.Context,
+    run_id: str,
+    force: bool,
+    args_json: str | None,
+    kwargs_json: str | None,
+    attempts: int | None,
+) -> None:
+    """Run a failed or cancelled run again: back to queued, with fresh attempts.
+
+    A finished run keeps no task arguments (they are cleared when it ends), so
+    the run is published again only with --args/--kwargs (checked against a
+    keyed task's lease_key); without them it waits, queued, for the caller to
+    send the task again with the same key (or task id).
+    """
+    from ..requeue import requeue
+    from ..task import LeasedTask
+
+    args = _json_option(args_json, list, "--args")
+    kwargs = _json_option(kwargs_json, dict, "--kwargs")
+    app = ctx.obj.app
+    store = _open_store(ctx)
+    record = store.get(run_id)
+    if record is None:
+        raise RunNotFound(run_id)
+    _refuse_rerun(run_id, record.status, force)
+    task = app.tasks.get(record.task_name)
+    leased = isinstance(task, LeasedTask)
+    publish = args is not None or kwargs is not None
+    task_id = record.task_id or record.id
+    if publish:
+        if not leased:
+            raise _Failure(
+                f"task {record.task_name!r} is not a LeasedTask of this app (-A): cannot "
+                "publish it with --args/--kwargs"
+            )
+        expected = _rerun_run_id(task, task_id, args or [], kwargs or {})
+        if expected != run_id:
+            raise _Failure(
+                f"these arguments make run {expected!r}, not {run_id!r}: the task's "
+                "lease_key must give the run's own key"
+            )
+    if attempts is None:
+        config = task.lease_config() if leased else LeaseConfig.from_app(app)
+        attempts = config.max_attempts
+    try:
+        after = store.rerun(run_id, attempts=attempts, force=force)
+    except RunNotRerunnable as exc:  # it changed between the read and the update
+        _refuse_rerun(run_id, exc.status, force)
+        raise
+    tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
+    try:
+        if publish:
+            task.apply_async(args or [], kwargs or {}, task_id=task_id)
+        elif after.payload is not None:
+            requeue(app, after)
+    except Exception as exc:
+        raise _Failure(
+            f"run {run_id} is queued again ({tries}) but could not be published "
+            f"({describe_exception(exc)}): send {record.task_name} again under task id "
+            f"{task_id}, or `lease cancel {run_id}` to undo"
+        ) from None
+    if publish:
+        click.echo(
+            f"run {run_id} is queued again ({tries}) and published as task {task_id} "
+            "with the given arguments"
+        )
+    elif after.payload is not None:
+        click.echo(f"run {run_id} is queued again ({tries}) and published from its stored message")
+    else:
+        how = (
+            f"send {record.task_name} again with arguments that give this run's lease_key"
+            if leased and task.lease_config().key is not None
+            else f"send {record.task_name} again with task_id={task_id!r}"
+        )
+        click.echo(
+            f"run {run_id} is queued again ({tries}), but it has no stored message "
+            f"(a succeeded run keeps no task arguments), so nothing was published: {how}, or use "
+            f"`lease rerun` with --args/--kwargs next time (`lease cancel {run_id}` undoes this)"
+        )
+
+
+def _refuse_rerun(run_id: str, status: str, force: bool) -> None:
+    """Raise the refusal of ``lease rerun`` for a run in ``status``, if it is refused."""
+    if status in (QUEUED, RUNNING, RETRYING):
+        raise _Failure(
+            f"run {run_id} is {status}: it is live, nothing to rerun "
+            f"(`lease cancel {run_id}` first if it must start over)"
+        )
+    if status == SUCCEEDED and not force:
+        raise _Failure(f"run {run_id} succeeded: pass --force to run it again")
+
+
+def _rerun_run_id(task: Any, task_id: str, args: list[Any], kwargs: dict[str, Any]) -> str:
+    """The run id a delivery of ``task`` with these arguments and ``task_id`` claims."""
+    from ..task import fit_run_id
+
+    if task.lease_config().key is None:
+        return fit_run_id(task_id)
+    try:
+        return str(fit_run_id(task.lease_run_id(*args, **kwargs)))
+    except TypeError as exc:
+        raise _Failure(f"the arguments do not fit {task.name}: {exc}") from None
+
+
+# -- top -------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""``lease top``: a live view of running leases."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from ..schema import (
+    QUEUED,
+    RETRYING,
+    RUNNING,
+)
+from ..store import LeaseStore
+from .common import (
+    _URL_KEY,
+    _open_store,
+    _operator_errors,
+    _short_owner,
+    format_duration,
+    format_relative,
+    format_time,
+    lease,
+    render_table,
+)
+
+#: ANSI: cursor home and clear the screen; alternate screen on/off; cursor off/on.
+_HOME_CLEAR = "\x1b[H\x1b[2J"
+_ALT_ON, _ALT_OFF = "\x1b[?1049h", "\x1b[?1049l"
+_CURSOR_OFF, _CURSOR_ON = "\x1b[?25l", "\x1b[?25h"
+
+
+def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
+    """One frame of ``lease top``: live counts, recent activity, the live leases."""
+    activity = store.activity(store.now_ms())
+    leases = store.live_leases(limit)
+    now = activity.now
+    counts = activity.counts
+    ended = activity.ended_recently
+    lines = [
+        f"celery lease top  {shown_url}  {format_time(now)} (database clock)",
+        f"live      queued {counts[QUEUED]}  running {counts[RUNNING]} "
+        f"(expired {activity.expired_leases}, past attempt 1: {activity.running_retries})  "
+        f"retrying {counts[RETRYING]}",
+        "last 60s  "
+        + "  ".join(f"{status} {ended[status]}" for status in sorted(ended))
+        + f"  retries/min {activity.retried_recently}",
+        "",
+    ]
+    rows = []
+    for r in leases:
+        left = "-" if r.lease_expires_at is None else r.lease_expires_at - now
+        rows.append(
+            (
+                r.id,
+                r.task_name,
+                _short_owner(r.lease_owner),
+                f"{r.attempt}/{r.max_attempts}",
+                left if isinstance(left, str) else _time_left(left),
+                "-" if r.heartbeat_at is None else format_duration(now - r.heartbeat_at),
+                "-"
+                if r.cancel_requested_at is None
+                else format_relative(r.cancel_requested_at, now),
+                "-" if r.started_at is None else format_duration(now - r.started_at),
+            )
+        )
+    if rows:
+        headers = ("ID", "TASK", "OWNER", "ATTEMPT", "LEFT", "HEARTBEAT", "CANCEL", "RUNNING FOR")
+        lines.append(render_table(headers, rows))
+        if counts[RUNNING] > len(rows):
+            lines.append(f"... {counts[RUNNING] - len(rows)} more (--limit)")
+    else:
+        lines.append("no live leases")
+    return "\n".join(lines)
+
+
+def _time_left(ms: int) -> str:
+    """A lease's time left, or how long ago it expired."""
+    return format_duration(ms) if ms > 0 else f"expired {format_duration(ms)} ago"
+
+
+@lease.command()
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=30,
+    show_default=True,
+    help="Live leases shown (soonest expiry first).",
+)
+@click.option("--once", is_flag=True, help="Print one frame, without terminal control codes.")
+@click.pass_context
+@_operator_errors
+def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
+    """A live view of the leases, refreshed in place, until Ctrl-C.
+
+    Shows the running runs (owner, attempt, lease time left, heartbeat age,
+    cancel request), the live runs per status, and what ended or went
+    retrying in the last minute; all times by the database clock.
+    """
+    store = _open_store(ctx)
+    shown = str(ctx.meta.get(_URL_KEY, "?"))
+    if once:
+        click.echo(render_top(store, shown, limit))
+        return
+    out = sys.stdout
+    tty = out.isatty()
+    if tty:
+        out.write(_ALT_ON + _CURSOR_OFF)
+    try:
+        while True:
+            frame = render_top(store, shown, limit)
+            # Piped (a log, `watch`-less scripts): frames one after another, no codes.
+            out.write((_HOME_CLEAR if tty else "") + frame + "\n\n")
+            out.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if tty:
+            out.write(_CURSOR_ON + _ALT_OFF)
+            out.flush()

@@ -1,0 +1,167 @@
+"""What celery-lease keeps for one Celery app in this process: one :class:`AppRuntime`.
+
+It holds the app's validated settings, each task's settings, a store and a
+heartbeat per lease database, the metrics, and the ``celery worker`` this
+process belongs to. :meth:`AppRuntime.reset` drops all of it (for tests).
+
+The runtimes are kept in a :class:`weakref.WeakKeyDictionary` keyed by the app
+itself: nothing is written into the app, and a runtime goes away with its app.
+A pool child inherits its parent's runtimes and builds a fresh store and
+heartbeat only when it first uses one (:func:`runtime_for`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from celery import Celery
+
+from .config import LeaseConfig
+from .heartbeat import Heartbeat
+from .store import LeaseStore
+
+if TYPE_CHECKING:
+    from .metrics import LeaseMetrics
+
+_runtime_lock = threading.Lock()
+
+
+class AppRuntime:
+    """Everything celery-lease keeps for one app in this process."""
+
+    def __init__(self) -> None:
+        #: The app's validated ``lease_*`` settings, once read.
+        self.config: LeaseConfig | None = None
+        #: Each task's settings (the app's with its options applied), by task name.
+        self.task_configs: dict[str, tuple[object, LeaseConfig]] = {}
+        #: A store and a heartbeat per lease database URL.
+        self.databases: dict[str, Runtime] = {}
+        #: The ``celery worker`` this process belongs to (set by its bootstep).
+        self.worker: WorkerInstance | None = None
+        #: True on the gevent/eventlet pools: no asynchronous interrupt of a body.
+        self.green_pool = False
+        #: Counters of ``lease_metrics``, when on.
+        self.metrics: LeaseMetrics | None = None
+        self.installed = False
+
+    def forget_settings(self) -> None:
+        """Read the app's and tasks' settings again on next use."""
+        self.config = None
+        self.task_configs.clear()
+
+    def reset(self) -> None:
+        """Stop the heartbeats, close the stores and forget the settings (for tests)."""
+        databases = list(self.databases.values())
+        self.databases.clear()
+        for runtime in databases:
+            runtime.heartbeat.stop(timeout=5.0)
+            runtime.store.dispose()
+        self.forget_settings()
+
+
+_app_runtimes: weakref.WeakKeyDictionary[Celery, AppRuntime] = weakref.WeakKeyDictionary()
+
+
+def app_runtime(app: Celery) -> AppRuntime:
+    """The app's runtime in this process, made on first use."""
+    runtime = _app_runtimes.get(app)
+    if runtime is None:
+        with _runtime_lock:
+            runtime = _app_runtimes.setdefault(app, AppRuntime())
+    return runtime
+
+
+def app_config(app: Celery) -> LeaseConfig:
+    """The app's settings, validated once (:meth:`LeaseConfig.from_app`) and kept."""
+    runtime = app_runtime(app)
+    if runtime.config is None:
+        runtime.config = LeaseConfig.from_app(app)
+    return runtime.config
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The store and heartbeat this process uses for one lease database."""
+
+    store: LeaseStore
+    heartbeat: Heartbeat
+    pid: int
+
+
+def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
+    """This process's store and heartbeat for ``config.database_url``.
+
+    Created on first use and kept in the app's :class:`AppRuntime`. In a forked child the parent's
+    pooled connections are dropped without closing them (they belong to the
+    parent) and a fresh heartbeat is made, since threads do not survive a fork.
+    """
+    pid = os.getpid()
+    registry = app_runtime(app).databases
+    runtime = registry.get(config.database_url)
+    if runtime is not None and runtime.pid == pid:
+        return runtime
+    with _runtime_lock:
+        runtime = registry.get(config.database_url)
+        if runtime is not None and runtime.pid == pid:
+            return runtime
+        if runtime is not None:
+            runtime.store.dispose_after_fork()
+            store = runtime.store
+        else:
+            store = LeaseStore.from_url(config.database_url, lease_seconds=config.lease_seconds)
+            if store.dialect == "sqlite":
+                store.create_schema()  # the embedded default needs no migrate step
+        runtime = Runtime(store, Heartbeat(store, config.heartbeat_interval), pid)
+        registry[config.database_url] = runtime
+        return runtime
+
+
+def store_for(app: Celery) -> LeaseStore:
+    """The app's lease store (for tools, tests and operators)."""
+    return runtime_for(app, app_config(app)).store
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInstance:
+    """One ``celery worker``: its random id and its shutdown flag, shared with its pool.
+
+    Made in the worker's main process before the pool forks; the flag is an
+    anonymous shared mapping, so a shutdown seen by the main process is seen
+    at once by every pool child.
+    """
+
+    id: str
+    flag: mmap.mmap
+
+
+def worker_id(app: Celery) -> str | None:
+    """The id of the worker this process belongs to (main or pool child), else None.
+
+    ``Owner.new`` appends it to every owner, so a worker hands back
+    exactly the leases its own processes took, whatever its node name.
+    """
+    instance = app_runtime(app).worker
+    return None if instance is None else instance.id
+
+
+def shutting_down(app: Celery) -> bool:
+    """True once this process's worker began a warm or cold shutdown.
+
+    Seen in the main process and in every pool child (prefork included). A
+    worker that is shutting down must not claim a new run.
+    """
+    instance = app_runtime(app).worker
+    if instance is not None and instance.flag[0]:
+        return True
+    from celery.worker import state
+
+    # The same test as Celery's own state.maybe_shutdown(): 0 (EX_OK) means stop too.
+    return any(
+        flag is not None and flag is not False
+        for flag in (state.should_stop, state.should_terminate)
+    )
