@@ -7,31 +7,6 @@ group when imported; importing this package imports them all.
 from __future__ import annotations
 
 from . import maintenance, runs, top
-from .common import (
-    RECORD_FIELDS,
-    TIME_FIELDS,
-    format_duration,
-    format_relative,
-    format_time,
-    lease,
-    lease_left,
-    record_data,
-    render_table,
-)
-from .top import render_top
+from .common import lease
 
-__all__ = [
-    "RECORD_FIELDS",
-    "TIME_FIELDS",
-    "format_duration",
-    "format_relative",
-    "format_time",
-    "lease",
-    "lease_left",
-    "maintenance",
-    "record_data",
-    "render_table",
-    "render_top",
-    "runs",
-    "top",
-]
+__all__ = ["lease", "maintenance", "runs", "top"]

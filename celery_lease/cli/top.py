@@ -13,17 +13,8 @@ from ..schema import (
     RUNNING,
 )
 from ..store import LeaseStore
-from .common import (
-    _URL_KEY,
-    _open_store,
-    _operator_errors,
-    _short_owner,
-    format_duration,
-    format_relative,
-    format_time,
-    lease,
-    render_table,
-)
+from . import common
+from .common import _URL_KEY, _open_store, _operator_errors, lease
 
 #: ANSI: cursor home and clear the screen; alternate screen on/off; cursor off/on.
 _HOME_CLEAR = "\x1b[H\x1b[2J"
@@ -39,7 +30,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
     counts = activity.counts
     ended = activity.ended_recently
     lines = [
-        f"celery lease top  {shown_url}  {format_time(now)} (database clock)",
+        f"celery lease top  {shown_url}  {common.format_time(now)} (database clock)",
         f"live      queued {counts[QUEUED]}  running {counts[RUNNING]} "
         f"(expired {activity.expired_leases}, past attempt 1: {activity.running_retries})  "
         f"retrying {counts[RETRYING]}",
@@ -55,19 +46,19 @@ def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
             (
                 r.id,
                 r.task_name,
-                _short_owner(r.lease_owner),
+                common._short_owner(r.lease_owner),
                 f"{r.attempt}/{r.max_attempts}",
                 left if isinstance(left, str) else _time_left(left),
-                "-" if r.heartbeat_at is None else format_duration(now - r.heartbeat_at),
+                "-" if r.heartbeat_at is None else common.format_duration(now - r.heartbeat_at),
                 "-"
                 if r.cancel_requested_at is None
-                else format_relative(r.cancel_requested_at, now),
-                "-" if r.started_at is None else format_duration(now - r.started_at),
+                else common.format_relative(r.cancel_requested_at, now),
+                "-" if r.started_at is None else common.format_duration(now - r.started_at),
             )
         )
     if rows:
         headers = ("ID", "TASK", "OWNER", "ATTEMPT", "LEFT", "HEARTBEAT", "CANCEL", "RUNNING FOR")
-        lines.append(render_table(headers, rows))
+        lines.append(common.render_table(headers, rows))
         if counts[RUNNING] > len(rows):
             lines.append(f"... {counts[RUNNING] - len(rows)} more (--limit)")
     else:
@@ -77,7 +68,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
 
 def _time_left(ms: int) -> str:
     """A lease's time left, or how long ago it expired."""
-    return format_duration(ms) if ms > 0 else f"expired {format_duration(ms)} ago"
+    return common.format_duration(ms) if ms > 0 else f"expired {common.format_duration(ms)} ago"
 
 
 @lease.command()

@@ -6,18 +6,9 @@ from typing import Any
 
 from sqlalchemy import and_, case, delete, func, or_, select, update
 
+from .. import schema
 from ..errors import RunNotFound, RunNotRerunnable
-from ..schema import (
-    CANCELLED,
-    FAILED,
-    QUEUED,
-    RETRYING,
-    RUNNING,
-    SUCCEEDED,
-    TERMINAL_STATUSES,
-    db_now_ms,
-    runs,
-)
+from ..schema import db_now_ms, runs
 from .base import StoreBase, _db_errors
 from .records import PURGE_BATCH, Activity, RunRecord
 
@@ -35,7 +26,7 @@ class Control(StoreBase):
         now = db_now_ms()
         stmt = (
             update(runs)
-            .where(runs.c.id == run_id, runs.c.status == RUNNING)
+            .where(runs.c.id == run_id, runs.c.status == schema.RUNNING)
             .values(lease_expires_at=now, updated_at=now)
         )
         with self._auto.connect() as conn:
@@ -59,9 +50,9 @@ class Control(StoreBase):
         )
         at_once = (
             update(runs)
-            .where(own, runs.c.status.in_((QUEUED, RETRYING)))
+            .where(own, runs.c.status.in_((schema.QUEUED, schema.RETRYING)))
             .values(
-                status=CANCELLED,
+                status=schema.CANCELLED,
                 failure_code="cancelled",
                 cancel_requested_at=now,
                 lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
@@ -71,7 +62,7 @@ class Control(StoreBase):
         )
         request = (
             update(runs)
-            .where(own, runs.c.status == RUNNING)
+            .where(own, runs.c.status == schema.RUNNING)
             .values(
                 cancel_requested_at=func.coalesce(runs.c.cancel_requested_at, now),
                 updated_at=now,
@@ -79,23 +70,23 @@ class Control(StoreBase):
         )
         with self._auto.connect() as conn:
             if conn.execute(at_once).rowcount == 1:
-                return CANCELLED
+                return schema.CANCELLED
             if conn.execute(request).rowcount == 1:
-                return RUNNING
+                return schema.RUNNING
             row = conn.execute(
                 select(runs.c.status, runs.c.task_id).where(runs.c.id == run_id)
             ).first()
         if row is None:
             raise RunNotFound(run_id)
         status, own_task_id = row
-        if status not in TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
+        if status not in schema.TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
             return self.cancel(run_id, task_id=task_id)  # it changed status between statements
         return str(status)
 
     @staticmethod
     def _purgeable(status: str, older_than_ms: int) -> Any:
         """Rows of finished ``status`` that finished more than ``older_than_ms`` ago (DB clock)."""
-        if status not in TERMINAL_STATUSES:
+        if status not in schema.TERMINAL_STATUSES:
             raise ValueError(f"only finished runs can be purged, not {status!r} ones")
         if older_than_ms < 0:
             raise ValueError(f"older_than_ms must be >= 0, got {older_than_ms}")
@@ -176,7 +167,7 @@ class OperatorReads(StoreBase):
         updated within ``window_ms``; a finished row is last updated when it finished).
         """
         now = db_now_ms()
-        running = runs.c.status == RUNNING
+        running = runs.c.status == schema.RUNNING
         per_status = select(runs.c.status, func.count()).group_by(runs.c.status)
         leases = select(
             func.sum(case((runs.c.lease_expires_at > now, 1), else_=0)),
@@ -195,10 +186,10 @@ class OperatorReads(StoreBase):
             runs.c.failure_code == "lease_expired",
             or_(
                 and_(
-                    runs.c.status.in_((QUEUED, RUNNING, RETRYING)),
+                    runs.c.status.in_((schema.QUEUED, schema.RUNNING, schema.RETRYING)),
                     runs.c.updated_at >= since,
                 ),
-                and_(runs.c.status == FAILED, runs.c.finished_at >= since),
+                and_(runs.c.status == schema.FAILED, runs.c.finished_at >= since),
             ),
         )
         with self._auto.connect() as conn:
@@ -229,13 +220,13 @@ class OperatorReads(StoreBase):
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
-        allowed = [FAILED, CANCELLED] + ([SUCCEEDED] if force else [])
+        allowed = [schema.FAILED, schema.CANCELLED] + ([schema.SUCCEEDED] if force else [])
         now = db_now_ms()
         stmt = (
             update(runs)
             .where(runs.c.id == run_id, runs.c.status.in_(allowed))
             .values(
-                status=QUEUED,
+                status=schema.QUEUED,
                 max_attempts=runs.c.attempt + attempts,
                 lease_owner=None,
                 lease_expires_at=None,
@@ -267,7 +258,7 @@ class OperatorReads(StoreBase):
         """
         stmt = (
             select(runs)
-            .where(runs.c.status == RUNNING)
+            .where(runs.c.status == schema.RUNNING)
             .order_by(runs.c.lease_expires_at, runs.c.id)
             .limit(max(0, limit))
         )
@@ -289,7 +280,7 @@ class OperatorReads(StoreBase):
         attempt sets ``lease_expires_at`` to that moment).
         """
         since = now - window_ms
-        live = (QUEUED, RUNNING, RETRYING)
+        live = (schema.QUEUED, schema.RUNNING, schema.RETRYING)
         recent = runs.c.lease_expires_at >= since
         stmt = (
             select(
@@ -302,7 +293,7 @@ class OperatorReads(StoreBase):
             .where(
                 or_(
                     runs.c.status.in_(live),
-                    and_(runs.c.status.in_(sorted(TERMINAL_STATUSES)), recent),
+                    and_(runs.c.status.in_(sorted(schema.TERMINAL_STATUSES)), recent),
                 )
             )
             .group_by(runs.c.status)
@@ -312,13 +303,15 @@ class OperatorReads(StoreBase):
         counts = {str(r[0]): int(r[1]) for r in rows if r[0] in live}
         ended = {str(r[0]): int(r[1]) for r in rows if r[0] not in live}
         by_status = {str(r[0]): r for r in rows}
-        retrying = by_status.get(RETRYING)
-        running = by_status.get(RUNNING)
+        retrying = by_status.get(schema.RETRYING)
+        running = by_status.get(schema.RUNNING)
         return Activity(
             now=now,
             window_ms=window_ms,
             counts={status: counts.get(status, 0) for status in live},
-            ended_recently={status: ended.get(status, 0) for status in sorted(TERMINAL_STATUSES)},
+            ended_recently={
+                status: ended.get(status, 0) for status in sorted(schema.TERMINAL_STATUSES)
+            },
             retried_recently=0 if retrying is None else int(retrying[2] or 0),
             running_retries=0 if running is None else int(running[3] or 0),
             expired_leases=0 if running is None else int(running[4] or 0),

@@ -5,17 +5,8 @@ from __future__ import annotations
 from sqlalchemy import and_, case, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from .. import dberrors
-from ..schema import (
-    CANCELLED,
-    FAILED,
-    QUEUED,
-    RETRYING,
-    RUNNING,
-    TERMINAL_STATUSES,
-    db_now_ms,
-    runs,
-)
+from .. import dberrors, schema
+from ..schema import db_now_ms, runs
 from .base import StoreBase, _db_errors
 from .records import ClaimResult
 from .statements import ended_values
@@ -41,24 +32,28 @@ class ClaimRefusal(StoreBase):
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
-                return ClaimResult("busy", run_id, owner, 0, QUEUED, 0.0)
+                return ClaimResult("busy", run_id, owner, 0, schema.QUEUED, 0.0)
             status, attempt, cancel_requested, lease_left, available_left, task_id, ceiling = row
             max_attempts = max(max_attempts, int(ceiling))
-            if status in TERMINAL_STATUSES:
+            if status in schema.TERMINAL_STATUSES:
                 return ClaimResult("finished", run_id, owner, attempt, status, task_id=task_id)
-            wait_ms = lease_left if status == RUNNING else available_left
+            wait_ms = lease_left if status == schema.RUNNING else available_left
             claimable = wait_ms is None or wait_ms <= 0
             if claimable and cancel_requested is not None:
-                if self._end_unclaimable(run_id, status, attempt, CANCELLED, "cancelled", None):
+                if self._end_unclaimable(
+                    run_id, status, attempt, schema.CANCELLED, "cancelled", None
+                ):
                     return ClaimResult(
-                        "finished", run_id, owner, attempt, CANCELLED, task_id=task_id
+                        "finished", run_id, owner, attempt, schema.CANCELLED, task_id=task_id
                     )
                 continue
             if claimable and attempt >= max_attempts:
-                code = "lease_expired" if status == RUNNING else "attempts_exhausted"
+                code = "lease_expired" if status == schema.RUNNING else "attempts_exhausted"
                 error = f"attempts exhausted: {attempt} of {max_attempts} used"
-                if self._end_unclaimable(run_id, status, attempt, FAILED, code, error):
-                    return ClaimResult("finished", run_id, owner, attempt, FAILED, task_id=task_id)
+                if self._end_unclaimable(run_id, status, attempt, schema.FAILED, code, error):
+                    return ClaimResult(
+                        "finished", run_id, owner, attempt, schema.FAILED, task_id=task_id
+                    )
                 continue
             if claimable:
                 # It became claimable between our two statements: try again soon.
@@ -70,9 +65,9 @@ class ClaimRefusal(StoreBase):
                 attempt,
                 status,
                 max(0, wait_ms) / 1000.0,
-                reason="lease" if status == RUNNING else "backoff",
+                reason="lease" if status == schema.RUNNING else "backoff",
             )
-        return ClaimResult("busy", run_id, owner, 0, RUNNING, 0.0)
+        return ClaimResult("busy", run_id, owner, 0, schema.RUNNING, 0.0)
 
     def _end_unclaimable(
         self,
@@ -115,22 +110,22 @@ class ClaimRefusal(StoreBase):
         Returns the run's status afterwards.
         """
         now = db_now_ms()
-        ended = ended_values(now, FAILED, failure_code, error)
+        ended = ended_values(now, schema.FAILED, failure_code, error)
         stmt = (
             update(runs)
             .where(
                 runs.c.id == run_id,
                 or_(
-                    runs.c.status == QUEUED,
-                    runs.c.status == RETRYING,
-                    and_(runs.c.status == RUNNING, runs.c.lease_expires_at <= now),
+                    runs.c.status == schema.QUEUED,
+                    runs.c.status == schema.RETRYING,
+                    and_(runs.c.status == schema.RUNNING, runs.c.lease_expires_at <= now),
                 ),
             )
             .values(ended)
         )
         with self._auto.connect() as conn:
             if conn.execute(stmt).rowcount == 1:
-                return FAILED
+                return schema.FAILED
             status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
             if status is not None:
                 return str(status)
@@ -156,4 +151,4 @@ class ClaimRefusal(StoreBase):
                     failure_code=failure_code,
                     error=error,
                 )
-        return FAILED
+        return schema.FAILED
