@@ -35,6 +35,19 @@ from .benchapp import make_app
 from .common import Proc, median, read_marks, table, unique, wait_for
 from .throughput import _TICK, _clean_redis
 
+#: docs/benchmarks.md's section on the CPU accounting (written by hand from
+#: this script's, hotpath's and the profilers' output; run_all keeps it).
+BEGIN = "<!-- cpu:begin -->"
+END = "<!-- cpu:end -->"
+
+
+def kept_section(page: str) -> str:
+    """The CPU accounting section of an existing ``docs/benchmarks.md``."""
+    if BEGIN in page and END in page:
+        return page[page.index(BEGIN) : page.index(END) + len(END)]
+    return ""
+
+
 SET_UPS = {
     # name: (broker, lease database)
     "sqlite": ("filesystem", "sqlite"),
@@ -69,7 +82,23 @@ def split(worker_pid: int, servers: tuple[str, ...]) -> dict[str, float]:
             continue
         out[f"{kind}_user"] += user
         out[f"{kind}_sys"] += sys_
+        if kind == "children":
+            out["children_switches"] = out.get("children_switches", 0.0) + _switches(pid)
     return out
+
+
+def _switches(pid: int) -> float:
+    """Voluntary + involuntary context switches of ``pid`` so far (all its threads)."""
+    total = 0.0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/status") as handle:
+                for line in handle:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+    except OSError:
+        pass
+    return total
 
 
 def run_one(
@@ -133,7 +162,9 @@ def run_one(
     last = max(float(f[0]) for kind, f in got if kind == "E")
     shutil.rmtree(run_dir, ignore_errors=True)
     out = {k: (after[k] - before[k]) * 1000 / max(done, 1) for k in after}
+    switches = out.pop("children_switches", 0.0) / 1000  # per task, not per 1000
     out["rate"] = n / (last - first)
+    out["switches"] = switches
     return out
 
 
@@ -169,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                             + ", ".join(f"{k} {v:.3f}" for k, v in one.items() if k != "rate"),
                             flush=True,
                         )
-                keys = [k for k in res["plain"][0] if k != "rate"]
-                med = {m: {k: median([x[k] for x in res[m]]) for k in [*keys, "rate"]} for m in res}
+                keys = [k for k in res["plain"][0] if k not in ("rate", "switches")]
+                med = {
+                    m: {k: median([x[k] for x in res[m]]) for k in [*keys, "rate", "switches"]}
+                    for m in res
+                }
                 ratios = [
                     lease["rate"] / plain["rate"]
                     for plain, lease in zip(res["plain"], res["leased"], strict=True)
@@ -201,12 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{median(ratios):.3f}, CPU ratio plain/leased "
                     f"{total['plain'] / total['leased']:.3f}\n"
                 )
-                print(
-                    table(
-                        ["CPU ms / task", "plain", "leased", "added µs"],
-                        rows,
-                    )
+                rows.append(
+                    [
+                        "pool children's context switches / task",
+                        f"{med['plain']['switches']:.1f}",
+                        f"{med['leased']['switches']:.1f}",
+                        "",
+                    ]
                 )
+                print(table(["CPU ms / task", "plain", "leased", "added µs"], rows))
                 print(flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
