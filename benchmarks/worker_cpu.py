@@ -3,8 +3,9 @@
 The same method as ``throughput.py`` (N messages enqueued first, one ``celery
 worker -P prefork -c 2``, timed from the first task's start to the last
 task's end), but the CPU time read from ``/proc`` is kept apart: the worker's
-main process, its pool children, and the local ``postgres`` / ``redis-server``
-processes, each as user and sys time. Plain Celery and ``LeasedTask`` run
+main process, its pool children, and this run's servers (the PostgreSQL
+postmaster and its children, the Redis server, found by process id: other
+servers on the machine do not count), each as user and sys time. Plain Celery and ``LeasedTask`` run
 interleaved, round after round, on the same broker; figures are medians.
 
 ``--body`` picks what the task does: ``noop`` (returns at once), ``cpu10``
@@ -27,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis as redis_client
 from sqlalchemy import text
 
 from celery_lease import LeaseStore
@@ -55,8 +57,13 @@ SET_UPS = {
 }
 
 
-def split(worker_pid: int, servers: tuple[str, ...]) -> dict[str, float]:
-    """CPU seconds so far, ``{main,children,servers}_{user,sys}``."""
+def split(worker_pid: int, servers: set[int]) -> dict[str, float]:
+    """CPU seconds so far, ``{main,children,servers}_{user,sys}``.
+
+    ``servers`` are the process ids of this run's Redis and of this run's
+    PostgreSQL postmaster: the postmaster and its children (backends, WAL
+    writer, checkpointer) count, other servers on the machine do not.
+    """
     out = dict.fromkeys(
         ("main_user", "main_sys", "children_user", "children_sys", "servers_user", "servers_sys"),
         0.0,
@@ -66,17 +73,17 @@ def split(worker_pid: int, servers: tuple[str, ...]) -> dict[str, float]:
             continue
         try:
             with open(f"/proc/{entry}/stat") as handle:
-                head, _, rest = handle.read().rpartition(")")
+                rest = handle.read().rpartition(")")[2]
         except OSError:
             continue
         fields = rest.split()
-        pid, ppid, name = int(entry), int(fields[1]), head.partition("(")[2]
+        pid, ppid = int(entry), int(fields[1])
         user, sys_ = int(fields[11]) / _TICK, int(fields[12]) / _TICK
         if pid == worker_pid:
             kind = "main"
         elif ppid == worker_pid:
             kind = "children"
-        elif name in servers:
+        elif pid in servers or ppid in servers:
             kind = "servers"
         else:
             continue
@@ -85,6 +92,18 @@ def split(worker_pid: int, servers: tuple[str, ...]) -> dict[str, float]:
         if kind == "children":
             out["children_switches"] = out.get("children_switches", 0.0) + _switches(pid)
     return out
+
+
+def _postmaster(url: str) -> int:
+    """The process id of the PostgreSQL postmaster serving ``url`` (its backend's parent)."""
+    store = LeaseStore.from_url(url)
+    try:
+        with store.engine.connect() as conn:
+            backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+    finally:
+        store.dispose()
+    with open(f"/proc/{backend}/stat") as handle:
+        return int(handle.read().rpartition(")")[2].split()[1])
 
 
 def _switches(pid: int) -> float:
@@ -115,7 +134,7 @@ def run_one(
         "BENCH_QUEUE": unique("bq"),
         "BENCH_BODY": body,
     }
-    servers: tuple[str, ...] = ()
+    servers: set[int] = set()
     if broker == "filesystem":
         folder = run_dir / "broker"
         (folder / "control").mkdir(parents=True)
@@ -123,13 +142,13 @@ def run_one(
     else:
         assert redis
         env["BENCH_BROKER"] = redis
-        servers += ("redis-server",)
+        servers.add(int(redis_client.Redis.from_url(redis).info("server")["process_id"]))
     if lease_db == "sqlite":
         env["BENCH_LEASE_DB"] = f"sqlite:///{run_dir / 'leases.sqlite3'}"
     else:
         assert pg
         env["BENCH_LEASE_DB"] = pg
-        servers += ("postgres",)
+        servers.add(_postmaster(pg))
         store = LeaseStore.from_url(pg)
         store.create_schema()
         with store.engine.begin() as conn:
