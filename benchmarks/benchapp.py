@@ -2,7 +2,8 @@
 
 One trivial task, ``bench.noop``, whose base class depends on ``BENCH_MODE``
 (``plain``: Celery's ``Task``; ``leased``: ``LeasedTask``; ``once``:
-celery-once's ``QueueOnce``), and ``bench.hold`` (always leased) for the
+celery-once's ``QueueOnce``; ``BENCH_BODY`` = ``cpu10`` makes it spin for 10 ms
+of CPU, ``sleep50`` makes it sleep 50 ms), and ``bench.hold`` (always leased) for the
 takeover measurements. Worker processes append timestamps to
 ``$BENCH_MARKS/marks-<pid>.log``: ``S t`` at their first task's start and ``E t``
 after every task (``task_postrun``, i.e. after the lease completion or the
@@ -66,8 +67,18 @@ def make_app(env: dict[str, str]) -> Celery:
 
         base = QueueOnce
 
+    body = env.get("BENCH_BODY", "noop")
+
     @app.task(base=base, name="bench.noop", shared=False)  # type: ignore[untyped-decorator]
     def noop(i: int) -> None:
+        if body == "cpu10":  # about 10 ms of CPU in the body, in Python
+            end = time.thread_time() + 0.010
+            spun = 0
+            while time.thread_time() < end:  # a system call: one per ~50 µs of work
+                for _ in range(2000):
+                    spun += 1
+        elif body == "sleep50":  # waits 50 ms, as on I/O
+            time.sleep(0.050)
         return None
 
     @app.task(base=LeasedTask, bind=True, name="bench.hold", shared=False)  # type: ignore[untyped-decorator]

@@ -120,6 +120,8 @@ def render(
     settings: str = "not recorded",
 ) -> str:
     """The page: how it was made, the tables, and what limits the figures."""
+    from . import worker_cpu  # its section is kept as it is
+
     today = datetime.date.today().isoformat()
     env = ", ".join(f"{k} {v}" for k, v in versions.items())
     parts: list[Any] = [
@@ -208,6 +210,9 @@ def render(
         "",
         # Measured apart (python -m benchmarks.retention, a million rows): kept as it is.
         retention.kept_section(DOC.read_text() if DOC.exists() else ""),
+        "",
+        # The CPU accounting (benchmarks.worker_cpu, benchmarks.hotpath): kept as it is.
+        worker_cpu.kept_section(DOC.read_text() if DOC.exists() else ""),
         "",
         ANALYSIS,
     ]

@@ -54,13 +54,28 @@ class Watchdog:
         self._generation = 0
         self._polling = False
         self._wake_at = float("-inf")  # when the sleeping thread wakes up next
+        # The earliest deadline among leases watched since the thread last planned
+        # its sleep, whether still watched or not: it sleeps no later than this.
+        self._seen_min = float("inf")
         self._thread: threading.Thread | None = None
 
     def watch(self, lease: Lease) -> None:
-        """Start watching ``lease`` (and start the thread if needed)."""
+        """Start watching ``lease`` (and start the thread if needed).
+
+        The thread is woken only when this lease's deadline comes before its
+        planned wake-up. It plans that wake-up from every lease watched since
+        it last did, even one already unwatched, so a steady flow of short
+        tasks (each deadline later than the last) wakes it about twice per
+        lease period, not once per task: a watch then costs a lock and a set
+        insertion.
+        """
         with self._cond:
             self._leases.add(lease)
-            if self._polling or lease.deadline < self._wake_at:
+            deadline = lease.deadline
+            if deadline < self._seen_min:
+                self._seen_min = deadline
+            if not self._polling and deadline < self._wake_at:
+                # A pass in progress plans its sleep with _seen_min: no wake-up.
                 self._generation += 1
                 self._cond.notify()
             if self._thread is None or not self._thread.is_alive():
@@ -106,7 +121,11 @@ class Watchdog:
             with self._cond:
                 self._polling = False
                 if self._generation != generation:
-                    continue  # a lease was added during the pass
+                    continue  # nudged during the pass
+                if self._seen_min < float("inf"):
+                    # Watched since the last plan, maybe after this pass's snapshot.
+                    wake = self._seen_min if wake is None else min(wake, self._seen_min)
+                    self._seen_min = float("inf")
                 timeout = self.IDLE_SECONDS if wake is None else wake - self._clock()
                 timeout = min(max(timeout, 0.001), self.IDLE_SECONDS)
                 self._wake_at = self._clock() + timeout
@@ -120,6 +139,9 @@ _watchdog_lock = threading.Lock()
 def process_watchdog() -> Watchdog:
     """This process's :class:`Watchdog` (a forked child gets its own)."""
     global _watchdog
+    watchdog = _watchdog
+    if watchdog is not None:
+        return watchdog  # the hot path: one per task, no lock once it exists
     with _watchdog_lock:
         if _watchdog is None:
             _watchdog = Watchdog()

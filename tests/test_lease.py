@@ -104,6 +104,45 @@ def test_watchdog_poll_loses_a_lease_past_its_deadline(sqlite_store: LeaseStore)
 
 
 @pytest.mark.timeout(30)
+def test_watchdog_sleeps_through_a_steady_flow_of_tasks(sqlite_store: LeaseStore) -> None:
+    """Tasks started one after another (each deadline later than the last) do not keep
+    the watchdog thread polling: neither a watch during a pass nor one after a pass that
+    found no lease wakes it again, and a lease watched during a pass is still acted on
+    at its deadline."""
+    passes = 0
+    after_pass: list[Lease] = []
+
+    class Counting(Watchdog):
+        def poll(self, now: float | None = None) -> float | None:
+            nonlocal passes
+            passes += 1
+            wake = super().poll(now)
+            while after_pass:  # watched after this pass took its snapshot
+                self.watch(after_pass.pop())
+            return wake
+
+    dog = Counting()
+    leases = [
+        Lease(sqlite_store, f"r{i}", "o", 1, lease_seconds=30.0, heartbeat_interval=7.5)
+        for i in range(300)
+    ]
+    for lease in leases:  # one short task after another
+        dog.watch(lease)
+        spin_until = time.monotonic() + 0.0003
+        while time.monotonic() < spin_until:  # a body holding the GIL
+            pass
+        dog.unwatch(lease)
+        time.sleep(0.001)  # between tasks (a pass here finds no lease at all)
+    assert passes <= 5, f"{passes} watchdog passes for 300 tasks"
+    # A lease watched while a pass runs is not forgotten: its deadline wakes the thread.
+    short = held(sqlite_store, "short", 0.5, watchdog=dog)
+    after_pass.append(short)
+    dog.nudge()
+    wait_for(lambda: short.lost, 5, 0.01, "the short lease's deadline")
+    assert passes <= 8
+
+
+@pytest.mark.timeout(30)
 def test_interrupt_fires_at_the_deadline_with_the_heartbeat_stuck(
     sqlite_store: LeaseStore,
 ) -> None:
