@@ -34,7 +34,8 @@ from sqlalchemy import text
 from celery_lease import LeaseStore
 
 from .benchapp import make_app
-from .common import Proc, median, read_marks, table, unique, wait_for
+from .common import median, read_marks, table, unique, wait_for
+from .common import worker as bench_worker
 from .throughput import _TICK, _clean_redis
 
 #: docs/benchmarks.md's section on the CPU accounting (written by hand from
@@ -159,7 +160,7 @@ def run_one(
     for i in range(n):
         noop.apply_async(args=(i,))
     producer.close()
-    worker = Proc.worker(env, run_dir / "worker.log", unique("bw"))
+    worker = bench_worker(env, run_dir / "worker.log", unique("bw"))
     try:
 
         def finished() -> int:
@@ -173,7 +174,7 @@ def run_one(
         after = split(worker.pid, servers)
         done = n - done_before
     finally:
-        worker.stop()
+        worker.stop(20)
         if broker == "redis" and redis:
             _clean_redis(redis, env["BENCH_QUEUE"])
     got = read_marks(marks)
