@@ -88,7 +88,7 @@ def sweep(
 
 def register_sweep_task(app: Celery) -> None:
     """Define ``celery_lease.sweep`` on ``app`` (the worker bootstep calls this at startup)."""
-    if SWEEP_TASK_NAME in app._tasks:
+    if SWEEP_TASK_NAME in app.tasks:  # the bootstep runs after the app is finalized
         return
 
     @app.task(  # type: ignore[untyped-decorator]

@@ -19,6 +19,10 @@ Celery internals we rely on, and why (none of them has a public equivalent):
   ``retry`` does once retries are spent.
 - ``Task.on_replace``: overridden (a documented hook) so the
   replacement is published outside any interrupt.
+
+Elsewhere: :mod:`celery_lease.contrib.fs_transport` overrides kombu's private
+``filesystem.Channel._put`` (an atomic publish; kombu has no hook for it), and
+the worker bootstep reads the pool class's ``is_green`` and ``app.tasks`` only.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
         app = parent.app
         protect_loggers()
         try:
-            _check_worker_startup(app, str(getattr(parent, "pool_cls", "") or "").lower())
+            _check_worker_startup(app, getattr(parent, "pool_cls", None))
         except ImproperlyConfigured as exc:
             message = " ".join(str(exc).split())  # one line, whatever the driver wrote
             raise SystemExit(
@@ -70,8 +70,13 @@ STARTUP_RETRY_SECONDS = 4.0
 DRIVER_EXTRAS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql"}
 
 
-def _check_worker_startup(app: Celery, pool: str) -> None:
-    """Every start-up check; raises ImproperlyConfigured on a permanent problem."""
+def _check_worker_startup(app: Celery, pool: Any) -> None:
+    """Every start-up check; raises ImproperlyConfigured on a permanent problem.
+
+    ``pool`` is the worker's pool class (Celery resolves ``pool_cls`` before it
+    builds the bootsteps); its public ``is_green`` says whether it runs green
+    threads (gevent, eventlet).
+    """
     check_app_settings(app)
     config = app_config(app)
     configs = {config.database_url: config}
@@ -81,7 +86,7 @@ def _check_worker_startup(app: Celery, pool: str) -> None:
             check_task_options(task.name, options, set(dir(LeasedTask)))
             task_config = task.lease_config()  # raises ImproperlyConfigured naming the key
             configs.setdefault(task_config.database_url, task_config)
-    if "gevent" in pool or "eventlet" in pool:
+    if getattr(pool, "is_green", False):
         # Green threads share one OS thread: an asynchronous exception
         # would land in whichever greenlet runs next, not the leased body.
         if app.conf.get("lease_interrupt") is True:
@@ -93,7 +98,7 @@ def _check_worker_startup(app: Celery, pool: str) -> None:
         logger.info(
             "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
             "self.lease.check()",
-            pool,
+            getattr(pool, "__name__", pool),
         )
     for database_config in configs.values():
         _check_database(app, database_config)

@@ -165,3 +165,28 @@ def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
 
     with pytest.raises(ImproperlyConfigured, match="unknown option lease_secnds; did you mean"):
         _check_worker_startup(app, "prefork")
+
+
+def test_green_pool_is_found_by_the_pool_class_not_its_name(tmp_path: Any) -> None:
+    """Celery's pool classes say whether they run green threads (``is_green``): on one,
+    lease_interrupt=True is refused at worker start, and unset it is turned off."""
+    from celery.concurrency.base import BasePool
+
+    from celery_lease.runtime import app_runtime
+    from celery_lease.worker import _check_worker_startup
+
+    class GreenPool(BasePool):  # type: ignore[misc]
+        is_green = True
+
+    class ThreadPool(BasePool):  # type: ignore[misc]
+        pass
+
+    app = Celery("green", set_as_current=False, broker="memory://")
+    app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
+    _check_worker_startup(app, ThreadPool)
+    assert not app_runtime(app).green_pool
+    _check_worker_startup(app, GreenPool)
+    assert app_runtime(app).green_pool
+    app.conf.lease_interrupt = True
+    with pytest.raises(ImproperlyConfigured, match="gevent/eventlet"):
+        _check_worker_startup(app, GreenPool)
