@@ -35,7 +35,6 @@ from celery.app.trace import build_tracer
 
 from celery_lease import LeasedTask
 from celery_lease.app import runtime_for, shutting_down, worker_id
-from celery_lease.events import emit
 from celery_lease.lease import Lease, _current, process_watchdog
 from celery_lease.task import new_owner
 
@@ -192,7 +191,10 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
             (
                 "emit('claimed') below log level",
                 _timeit(
-                    lambda: emit("claimed", "r", "run %s: claimed attempt %d", "r", 1, attempt=1), n
+                    lambda: runtime.events.emit(
+                        "claimed", "r", "run %s: claimed attempt %d", "r", 1, attempt=1
+                    ),
+                    n,
                 ),
             )
         )
@@ -208,6 +210,7 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
                 started_at=time.monotonic(),
                 interrupt=config.interrupt,
                 max_attempts=5,
+                events=runtime.events,
             )
             runtime.heartbeat.register(lease)
             token = _current.set(lease)
@@ -233,6 +236,7 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
                 started_at=time.monotonic(),
                 interrupt=config.interrupt,
                 max_attempts=5,
+                events=runtime.events,
             )
 
         out.append(("  of which Lease()", _timeit(lease_only, n)))

@@ -18,10 +18,13 @@ timeout or an ``OperationalError`` is transient, anything else permanent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import ClassVar, Protocol
 
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
 
 from .errors import LeaseDatabaseError
 
@@ -266,6 +269,27 @@ def wrap(exc: BaseException, dialect: str) -> LeaseDatabaseError:
         transient=found.transient,
         cause=found.cause,
     )
+
+
+def backend_of(url: str) -> str:
+    """The database ``url`` names (``postgresql``, ``sqlite``...), or "" if it does not parse."""
+    try:
+        return make_url(url).get_backend_name()
+    except sa_exc.ArgumentError:
+        return ""
+
+
+@contextlib.contextmanager
+def translated(dialect: str) -> Iterator[None]:
+    """Raise the SQLAlchemy errors of the block as :func:`wrap` does (``from`` them).
+
+    For code outside the store that runs SQLAlchemy itself (the ``migrate``
+    command around :func:`celery_lease.migrations.upgrade`).
+    """
+    try:
+        yield
+    except sa_exc.SQLAlchemyError as exc:
+        raise wrap(exc, dialect) from exc
 
 
 def _first_line(exc: BaseException) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .events import LeaseState, Transition
-from .leasestate import _DEADLINE_APPLIES, _publish
+from .leasestate import _DEADLINE_APPLIES
 from .transitions import Transitions
 
 #: Share of ``lease_seconds`` kept in reserve: the local deadline falls this much
@@ -55,7 +55,7 @@ class DeadlineReports(Transitions):
                     self._interrupt_locked()
             self._deliver_due_locked()
         for transition in transitions:
-            _publish(transition)
+            self._publish(transition)
 
     def refused(self, reason: str) -> None:
         """The database refused to renew this lease (taken over, expired or ended)."""
@@ -68,7 +68,7 @@ class DeadlineReports(Transitions):
             elif state in _DEADLINE_APPLIES:
                 transition = self._lose_locked(reason)
             # COMPLETING: the open transaction that completes the run decides.
-        _publish(transition)
+        self._publish(transition)
         if verify:
             self._verify_completion()
 
@@ -90,5 +90,5 @@ class DeadlineReports(Transitions):
             else:
                 self._deliver_due_locked(now)
             wake = self._next_wake_locked()
-        _publish(transition)
+        self._publish(transition)
         return wake

@@ -13,7 +13,6 @@ from .errors import (
     LeaseDatabaseError,
     RunFailed,
 )
-from .events import emit
 from .republish import Republishing, busy_delay
 from .runtime import Runtime
 from .sanitize import describe_exception
@@ -41,7 +40,7 @@ class DuplicateOutcomes(Republishing):
         """
         own_id = self.request.id
         same = claim.task_id is None or own_id is None or own_id == claim.task_id
-        emit(
+        runtime.events.emit(
             "duplicate_dropped",
             claim.run_id,
             "run %s is already %s: delivery dropped%s",

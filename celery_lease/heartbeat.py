@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .events import emit
+from .events import LOG_ONLY, EventLog
 from .lease import Lease, block_signals_in_side_thread
 from .sanitize import describe_exception
 from .store import HeartbeatResult, LeaseStore
@@ -34,12 +34,19 @@ class Heartbeat:
         store: the lease store.
         interval: the longest wait between ticks.
         clock: the monotonic clock renewals are timed with (the leases' clock).
+        events: where ticks are reported (the app's bus; by default only logged).
     """
 
     def __init__(
-        self, store: LeaseStore, interval: float, *, clock: Callable[[], float] = time.monotonic
+        self,
+        store: LeaseStore,
+        interval: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        events: EventLog = LOG_ONLY,
     ) -> None:
         self.store = store
+        self.events = events
         self.interval = interval
         self._clock = clock
         self._leases: dict[tuple[str, str, int], Lease] = {}
@@ -105,7 +112,7 @@ class Heartbeat:
             return None
         self._failing = False
         self.last_tick_seconds = self._clock() - sent_at
-        emit(
+        self.events.emit(
             "heartbeat",
             None,
             "renewed %d lease(s) in %.1f ms",

@@ -25,9 +25,9 @@ from sqlalchemy import Connection
 
 from .deadline import CLOCK_RATE_SLACK, SAFETY_FRACTION, DeadlineReports, safety_margin
 from .errors import LeaseError, LeaseLost, RunCancelled
-from .events import LeaseState
+from .events import LOG_ONLY, EventLog, LeaseState
 from .interrupt import ASYNC_INTERRUPT_SUPPORTED, LeaseInterrupt, _set_async_exc
-from .leasestate import _DEADLINE_APPLIES, _INTERRUPTING, _publish
+from .leasestate import _DEADLINE_APPLIES, _INTERRUPTING
 from .watchdog import Watchdog, block_signals_in_side_thread, process_watchdog
 
 if TYPE_CHECKING:
@@ -71,6 +71,9 @@ class Lease(DeadlineReports):
         attempt: the fencing token; hand it to external systems.
         max_attempts: the attempt at which the run is out of attempts, as the
             claim read it from the row (0 when not known: the setting decides).
+        events: where its transitions are published: its app's
+            :class:`~celery_lease.events.EventBus` (given by the task), else
+            :data:`~celery_lease.events.LOG_ONLY`.
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class Lease(DeadlineReports):
         clock: Callable[[], float] = time.monotonic,
         watchdog: Watchdog | None = None,
         max_attempts: int = 0,
+        events: EventLog = LOG_ONLY,
     ) -> None:
         self.store = store
+        self.events = events
         self.run_id = run_id
         self.owner = owner
         self.attempt = attempt
@@ -219,8 +224,8 @@ class Lease(DeadlineReports):
 
         Raises:
             LeaseLost: another owner holds the run, or it ended otherwise.
-            sqlalchemy.exc.SQLAlchemyError: the database did not answer; the
-                lease is as before and the call may be repeated.
+            LeaseDatabaseError: the database did not answer; the lease is as
+                before and the call may be repeated.
         """
         transition = None
         with self._lock:
@@ -229,7 +234,7 @@ class Lease(DeadlineReports):
             if self._state in _DEADLINE_APPLIES:
                 self._fenced_at = None
                 transition = self._move_locked(LeaseState.COMPLETING)
-        _publish(transition)
+        self._publish(transition)
         try:
             with self.uninterruptible():
                 self.store.complete(self.run_id, self.owner, self.attempt)
@@ -241,14 +246,14 @@ class Lease(DeadlineReports):
                 back = None
                 if transition is not None and self._state is LeaseState.COMPLETING:
                     back = self._move_locked(transition.previous, "completion not confirmed")
-            _publish(back)
+            self._publish(back)
             raise
         with self._lock:
             self._verified = True
             done = None
             if self._state is not LeaseState.COMPLETED:
                 done = self._move_locked(LeaseState.COMPLETED)
-        _publish(done)
+        self._publish(done)
         self._detach_hooks()
 
     def mark_cancelled(self) -> None:
@@ -265,7 +270,7 @@ class Lease(DeadlineReports):
             raise
         with self._lock:
             transition = self._move_locked(LeaseState.CANCELLED)
-        _publish(transition)
+        self._publish(transition)
 
     def mark_lost(self, reason: str) -> bool:
         """Record that this lease is lost (the first reason wins); interrupt the body.
@@ -278,7 +283,7 @@ class Lease(DeadlineReports):
             if self._state in (LeaseState.LOST, LeaseState.COMPLETED, LeaseState.CANCELLED):
                 return False
             transition = self._lose_locked(reason)
-        _publish(transition)
+        self._publish(transition)
         return True
 
     def __repr__(self) -> str:
@@ -310,7 +315,6 @@ __all__ = [
     "LeaseInterrupt",
     "Watchdog",
     "_current",
-    "_publish",
     "_set_async_exc",
     "block_signals_in_side_thread",
     "current_lease",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Connection
 
 from .errors import LeaseLost
-from .events import LeaseState, Transition, publish
+from .events import EventLog, LeaseState, Transition
 
 if TYPE_CHECKING:
     from .store import LeaseStore
@@ -29,6 +29,8 @@ class LeaseFields:
     """The state every layer of a lease reads and writes, under ``_lock``."""
 
     store: LeaseStore
+    #: Where this lease's transitions are published (its app's bus, or log only).
+    events: EventLog
     run_id: str
     owner: str
     attempt: int
@@ -52,7 +54,6 @@ class LeaseFields:
     _due: bool
     _quiet_until: float
 
-
-def _publish(transition: Transition | None) -> None:
-    if transition is not None:
-        publish(transition)
+    def _publish(self, transition: Transition | None) -> None:
+        if transition is not None:
+            self.events.publish(transition)

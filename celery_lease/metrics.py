@@ -1,9 +1,9 @@
 """Prometheus metrics for lease events (optional extra: ``pip install celery-lease[prometheus]``).
 
 Turn them on with ``app.conf.lease_metrics = True`` (read by :func:`celery_lease.install`)
-or by calling :func:`enable`. They count the events this process emits through
-:mod:`celery_lease.events`; ``prometheus_client`` is imported only then, so the
-package works without the extra.
+or by calling :func:`enable`. They count the events the app emits in this process
+(they listen on its :class:`~celery_lease.events.EventBus`); ``prometheus_client``
+is imported only then, so the package works without the extra.
 
 Exported (names as Prometheus shows them):
 
@@ -41,14 +41,8 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
-from .events import (
-    LeaseState,
-    Transition,
-    add_listener,
-    add_transition_listener,
-    remove_listener,
-    remove_transition_listener,
-)
+from .events import EventBus, LeaseState, Transition
+from .runtime import app_runtime
 
 SETTING = "lease_metrics"
 
@@ -58,8 +52,10 @@ HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 _SWEEP_ACTIONS = ("expired", "stranded", "failed", "cancelled", "handoff")
 
 _lock = threading.Lock()
-#: The metrics enabled in this process, one per registry (found by identity, not ``id()``).
-_enabled: list[LeaseMetrics] = []
+#: The metrics in prometheus_client's global ``REGISTRY``, made on first use.
+#: That registry is process-wide, so its series can be registered once only:
+#: every app counting there shares these objects (each listens on its own bus).
+_default: LeaseMetrics | None = None
 
 
 def _prometheus() -> Any:
@@ -78,7 +74,7 @@ class LeaseMetrics:
 
     Lease state changes (completed, lost, cancelled) are counted from the typed
     :class:`~celery_lease.events.Transition` each lease publishes; the other
-    counters from the named events of :func:`celery_lease.events.emit`.
+    counters from the named events of :meth:`celery_lease.events.EventLog.emit`.
 
     Args:
         registry: the ``prometheus_client`` registry to register in (default:
@@ -141,7 +137,7 @@ class LeaseMetrics:
             self.db_errors.labels(stage=stage)
 
     def __call__(self, event: str, fields: dict[str, Any]) -> None:
-        """The :func:`celery_lease.events.add_listener` hook."""
+        """The :meth:`~celery_lease.events.EventBus.add_listener` hook."""
         if event == "claimed":
             self.claims.inc()
         elif event == "busy":
@@ -160,7 +156,7 @@ class LeaseMetrics:
                 self.heartbeat.observe(float(seconds))
 
     def on_transition(self, transition: Transition) -> None:
-        """The :func:`celery_lease.events.add_transition_listener` hook."""
+        """The :meth:`~celery_lease.events.EventBus.add_transition_listener` hook."""
         state = transition.state
         if state is LeaseState.LOST:
             self.lease_lost.inc()  # a lease enters LOST once
@@ -169,29 +165,50 @@ class LeaseMetrics:
         elif state is LeaseState.CANCELLED:
             self.cancelled.inc()
 
+    def subscribe(self, events: EventBus) -> None:
+        """Count the events of ``events`` (an app's bus)."""
+        events.add_listener(self)
+        events.add_transition_listener(self.on_transition)
 
-def enable(registry: Any = None) -> LeaseMetrics:
-    """Count lease events of this process in ``registry`` (default: the global one).
+    def unsubscribe(self, events: EventBus) -> None:
+        """Stop counting the events of ``events``."""
+        events.remove_listener(self)
+        events.remove_transition_listener(self.on_transition)
 
-    Idempotent per registry. Raises ImportError, saying how to install the
-    extra, when ``prometheus_client`` is missing.
+
+def enable(app: Celery, registry: Any = None) -> LeaseMetrics:
+    """Count ``app``'s lease events of this process in ``registry`` (default: the global one).
+
+    Idempotent per app and registry. Raises ImportError, saying how to install
+    the extra, when ``prometheus_client`` is missing.
     """
+    global _default
     prom = _prometheus()
     target = registry if registry is not None else prom.REGISTRY
+    runtime = app_runtime(app)
     with _lock:
-        metrics = next((found for found in _enabled if found.registry is target), None)
-        if metrics is None:
-            metrics = LeaseMetrics(target)
-            _enabled.append(metrics)
-        add_listener(metrics)
-        add_transition_listener(metrics.on_transition)
+        metrics = runtime.metrics
+        if metrics is None or metrics.registry is not target:
+            if metrics is not None:
+                metrics.unsubscribe(runtime.events)
+            if target is prom.REGISTRY:
+                if _default is None:
+                    _default = LeaseMetrics(target)
+                metrics = _default
+            else:
+                metrics = LeaseMetrics(target)
+            runtime.metrics = metrics
+        metrics.subscribe(runtime.events)
     return metrics
 
 
-def disable(metrics: LeaseMetrics) -> None:
-    """Stop updating ``metrics`` (its series stay registered)."""
-    remove_listener(metrics)
-    remove_transition_listener(metrics.on_transition)
+def disable(app: Celery) -> None:
+    """Stop counting ``app``'s events (the series stay registered)."""
+    runtime = app_runtime(app)
+    with _lock:
+        if runtime.metrics is not None:
+            runtime.metrics.unsubscribe(runtime.events)
+            runtime.metrics = None
 
 
 def enable_from_app(app: Celery) -> LeaseMetrics | None:
@@ -206,4 +223,4 @@ def enable_from_app(app: Celery) -> LeaseMetrics | None:
         return None
     if value is not True:
         raise ImproperlyConfigured(f"{SETTING} must be True or False, got {value!r}")
-    return enable()
+    return enable(app)

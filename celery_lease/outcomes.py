@@ -16,7 +16,6 @@ from .errors import (
     LeaseError,
     LeaseLost,
 )
-from .events import emit
 from .lease import Lease
 from .republish import backoff_delay
 from .runtime import Runtime
@@ -100,7 +99,7 @@ class RunOutcomes(DuplicateOutcomes):
         # The heartbeat logs the loss it detects; here only what this call
         # learned (e.g. the refused completion) and the policy applied.
         lease.mark_lost(exc.reason)
-        emit(
+        lease.events.emit(
             "lost_handled",
             lease.run_id,
             "%s (policy %s)",
@@ -152,7 +151,7 @@ class RunOutcomes(DuplicateOutcomes):
             # Whoever holds the run now owns its state; the retry already sent
             # claims it (or is dropped) like any other delivery.
             lease.mark_lost(lost.reason)
-            emit(
+            lease.events.emit(
                 "lost_handled",
                 lease.run_id,
                 "%s",
@@ -162,7 +161,7 @@ class RunOutcomes(DuplicateOutcomes):
             )
             raise Ignore() from lost
         except LeaseDatabaseError as db_exc:
-            emit(
+            lease.events.emit(
                 "fail_error",
                 lease.run_id,
                 "run %s: could not record the retry: %s",
@@ -170,7 +169,7 @@ class RunOutcomes(DuplicateOutcomes):
                 describe_exception(db_exc),
                 level=logging.WARNING,
             )
-        emit(
+        lease.events.emit(
             "retrying",
             lease.run_id,
             "run %s attempt %d: retry requested, due in %.1fs",
@@ -201,7 +200,7 @@ class RunOutcomes(DuplicateOutcomes):
         except LeaseDatabaseError as db_exc:
             # The failure cannot be recorded; the lease will expire and the run
             # is claimed again then.
-            emit(
+            lease.events.emit(
                 "fail_error",
                 lease.run_id,
                 "run %s: could not record failure: %s",
@@ -210,7 +209,7 @@ class RunOutcomes(DuplicateOutcomes):
                 level=logging.WARNING,
             )
             self._reschedule(config.lease_seconds, exc)
-        emit(
+        lease.events.emit(
             "failed" if retry_in is None else "retrying",
             lease.run_id,
             "run %s attempt %d/%d raised %s -> %s",
@@ -261,7 +260,7 @@ class RunOutcomes(DuplicateOutcomes):
                 describe_exception(exc),
             )
             return
-        emit(
+        lease.events.emit(
             "ended",
             lease.run_id,
             "run %s: %s (%s)",

@@ -9,7 +9,6 @@ from typing import Any, NoReturn
 
 from celery import Celery
 from celery.exceptions import Ignore, Reject
-from sqlalchemy.exc import SQLAlchemyError
 
 from .config import LeaseConfig
 from .errors import (
@@ -18,7 +17,6 @@ from .errors import (
     LeaseError,
     LeaseInputError,
 )
-from .events import emit
 from .runids import TaskSettings
 from .runtime import runtime_for
 from .sanitize import describe_exception
@@ -91,7 +89,7 @@ class Republishing(TaskSettings):
         # A retry that arrived before its backoff ended is this run's own next
         # attempt, not a duplicate: it always waits, whatever the busy policy.
         policy = "retry" if claim.reason == "backoff" else config.busy_policy
-        emit(
+        self._events.emit(
             "busy",
             claim.run_id,
             "%s: %s",
@@ -126,7 +124,7 @@ class Republishing(TaskSettings):
             raise exc  # a plain call: the caller decides; the row is not touched
         if transient and spent < CLAIM_DB_RETRIES:
             delay = backoff_delay(config, spent + 1)
-            emit(
+            self._events.emit(
                 "claim_error",
                 run_id,
                 "run %s: lease database unavailable (try %d of %d), retrying in %.1fs: %s",
@@ -149,8 +147,8 @@ class Republishing(TaskSettings):
                     failure_code=exc.failure_code,
                     error=describe_exception(exc),
                 )
-            except (LeaseError, SQLAlchemyError) as end_exc:
-                emit(
+            except LeaseError as end_exc:
+                self._events.emit(
                     "fail_error",
                     run_id,
                     "run %s: could not record failure: %s",
@@ -158,7 +156,7 @@ class Republishing(TaskSettings):
                     describe_exception(end_exc),
                     level=logging.WARNING,
                 )
-        emit(
+        self._events.emit(
             "claim_failed",
             run_id,
             "run %s: claim failed for good (%s), run is %s: %s",
@@ -265,7 +263,7 @@ class Republishing(TaskSettings):
                 concurrency_key=self._concurrency_key(config, args, kwargs),
             )
         except Exception as exc:
-            emit(
+            self._events.emit(
                 "keep_error",
                 run_id,
                 "delivery %s: could not keep it for the sweeper either: %s",
@@ -275,7 +273,7 @@ class Republishing(TaskSettings):
             )
             return False
         if kept:
-            emit(
+            self._events.emit(
                 "publish_deferred",
                 run_id,
                 "run %s: the broker refused the re-publish of %s (%s); kept in the lease "

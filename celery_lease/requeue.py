@@ -11,7 +11,7 @@ from celery import Celery
 from kombu.serialization import loads, prepare_accept_content
 
 from .errors import LeaseError
-from .events import emit
+from .runtime import app_runtime
 from .sanitize import describe_exception
 from .schema import CANCELLED
 from .store import LeaseStore, RunRecord
@@ -138,6 +138,7 @@ def requeue_all(
     with no stored message (a direct call or eager ``apply()``) is left for a
     real delivery to claim.
     """
+    events = app_runtime(app).events
     for record in records:
         if record.payload is None:
             continue
@@ -147,12 +148,14 @@ def requeue_all(
                     record, "expired", "the message expired (expires)", status=CANCELLED
                 ):
                     report.cancelled.append(record.id)
-                    emit("swept", record.id, "run %s: message expired", record.id, action="expired")
+                    events.emit(
+                        "swept", record.id, "run %s: message expired", record.id, action="expired"
+                    )
                 continue
             requeue(app, record)
         except MessageNotAccepted as exc:
             report.failed.append(record.id)
-            emit(
+            events.emit(
                 "sweep_error",
                 record.id,
                 "run %s: %s",
@@ -170,7 +173,7 @@ def requeue_all(
             continue
         except Exception as exc:
             report.errors.append(record.id)
-            emit(
+            events.emit(
                 "sweep_error",
                 record.id,
                 "run %s: could not re-enqueue: %s",
@@ -180,4 +183,6 @@ def requeue_all(
             )
             continue
         report.requeued.append(record.id)
-        emit("swept", record.id, "run %s: re-enqueued (%s)", record.id, action, action=action)
+        events.emit(
+            "swept", record.id, "run %s: re-enqueued (%s)", record.id, action, action=action
+        )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from .errors import LeaseError
-from .events import emit
+from .events import LOG_ONLY, EventLog
 from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED, SUCCEEDED
 from .store import PURGE_BATCH, LeaseStore
@@ -120,12 +120,14 @@ def sweep_retention(
     retention: float | None,
     limit: int = SWEEP_PURGE_LIMIT,
     budget: float | None = SWEEP_PURGE_BUDGET,
+    events: EventLog = LOG_ONLY,
 ) -> PurgeReport:
     """The sweeper's retention step: at most ``limit`` rows older than ``retention`` s,
     in batches started within ``budget`` seconds.
 
     ``None`` keeps every row. A database error is logged (``purge_error``) and
-    leaves the rest for the next sweep: retention never stops recovery.
+    leaves the rest for the next sweep: retention never stops recovery. The
+    step is reported on ``events`` (the app's bus, from the sweeper).
     """
     report = PurgeReport()
     if retention is None:
@@ -133,7 +135,7 @@ def sweep_retention(
     try:
         report = purge(store, retention, limit=limit, budget=budget)
     except LeaseError as exc:
-        emit(
+        events.emit(
             "purge_error",
             None,
             "celery-lease: retention purge failed, retried next sweep: %s",
@@ -142,7 +144,7 @@ def sweep_retention(
         )
         return report
     if report.total:
-        emit(
+        events.emit(
             "purged",
             None,
             "celery-lease: deleted %d finished runs older than %.0fs (%s)",

@@ -13,6 +13,7 @@ from kombu.serialization import dumps
 
 from .config import SETTING_NAMES, LeaseConfig
 from .errors import InvalidLeaseKey
+from .events import EventBus
 from .runtime import app_config, app_runtime
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ def fit_run_id(run_id: str) -> str:
 
 class TaskSettings(Task):  # type: ignore[misc]
     """The task's lease settings, run ids and stored message (a layer of ``LeasedTask``)."""
+
+    @property
+    def _events(self) -> EventBus:
+        """The app's event bus (the task's leases and stores use the same one)."""
+        return app_runtime(self.app).events
 
     def lease_config(self) -> LeaseConfig:
         """The app's lease settings with this task's ``lease_*`` options applied."""

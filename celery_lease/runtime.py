@@ -1,8 +1,8 @@
 """What celery-lease keeps for one Celery app in this process: one :class:`AppRuntime`.
 
 It holds the app's validated settings, each task's settings, a store and a
-heartbeat per lease database, the metrics, and the ``celery worker`` this
-process belongs to. :meth:`AppRuntime.reset` drops all of it (for tests).
+heartbeat per lease database, the app's event bus and metrics, and the
+``celery worker`` this process belongs to. :meth:`AppRuntime.reset` drops all of it (for tests).
 
 The runtimes are kept in a :class:`weakref.WeakKeyDictionary` keyed by the app
 itself: nothing is written into the app, and a runtime goes away with its app.
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from celery import Celery
 
 from .config import LeaseConfig
+from .events import EventBus
 from .heartbeat import Heartbeat
 from .store import LeaseStore
 
@@ -45,7 +46,9 @@ class AppRuntime:
         self.worker: WorkerInstance | None = None
         #: True on the gevent/eventlet pools: no asynchronous interrupt of a body.
         self.green_pool = False
-        #: Counters of ``lease_metrics``, when on.
+        #: The app's lease events: its tasks, leases, heartbeats and sweeps emit here.
+        self.events = EventBus()
+        #: Counters of ``lease_metrics``, when on (listening on :attr:`events`).
         self.metrics: LeaseMetrics | None = None
         self.installed = False
 
@@ -55,7 +58,14 @@ class AppRuntime:
         self.task_configs.clear()
 
     def reset(self) -> None:
-        """Stop the heartbeats, close the stores and forget the settings (for tests)."""
+        """Stop the heartbeats, close the stores, forget the settings, drop the listeners.
+
+        For tests. The metrics stop counting too; :func:`celery_lease.install`
+        (or :func:`celery_lease.metrics.enable`) turns them on again.
+        """
+        self.events.clear()
+        self.metrics = None
+        self.installed = False
         databases = list(self.databases.values())
         self.databases.clear()
         for runtime in databases:
@@ -91,6 +101,8 @@ class Runtime:
     store: LeaseStore
     heartbeat: Heartbeat
     pid: int
+    #: The app's event bus (the same object as ``app_runtime(app).events``).
+    events: EventBus
 
 
 def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
@@ -101,7 +113,8 @@ def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
     parent) and a fresh heartbeat is made, since threads do not survive a fork.
     """
     pid = os.getpid()
-    registry = app_runtime(app).databases
+    app_state = app_runtime(app)
+    registry = app_state.databases
     runtime = registry.get(config.database_url)
     if runtime is not None and runtime.pid == pid:
         return runtime
@@ -116,7 +129,9 @@ def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
             store = LeaseStore.from_url(config.database_url, lease_seconds=config.lease_seconds)
             if store.dialect == "sqlite":
                 store.create_schema()  # the embedded default needs no migrate step
-        runtime = Runtime(store, Heartbeat(store, config.heartbeat_interval), pid)
+        events = app_state.events
+        heartbeat = Heartbeat(store, config.heartbeat_interval, events=events)
+        runtime = Runtime(store, heartbeat, pid, events)
         registry[config.database_url] = runtime
         return runtime
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from celery import Celery
 
-from .events import emit
 from .requeue import (
     MessageNotAccepted,
     SweepReport,
@@ -17,7 +16,7 @@ from .requeue import (
     requeue_all,
 )
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
-from .runtime import app_config, store_for
+from .runtime import app_config, app_runtime, store_for
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
 
@@ -60,12 +59,13 @@ def sweep(
     """
     config = app_config(app)
     store = store or store_for(app)
+    events = app_runtime(app).events
     report = SweepReport()
     to_requeue: list[RunRecord] = []
     for record, status in store.sweep_expired(limit):
         if status == FAILED:
             report.failed.append(record.id)
-            emit(
+            events.emit(
                 "swept",
                 record.id,
                 "run %s: lease expired, attempts spent",
@@ -74,7 +74,7 @@ def sweep(
             )
         elif status == CANCELLED:
             report.cancelled.append(record.id)
-            emit("swept", record.id, "run %s: cancelled", record.id, action="cancelled")
+            events.emit("swept", record.id, "run %s: cancelled", record.id, action="cancelled")
         else:
             to_requeue.append(record)
     requeue_all(app, to_requeue, report, "expired", store)
@@ -82,7 +82,9 @@ def sweep(
         stale_after = config.sweep_interval + config.lease_seconds
     requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
     if purge_limit:
-        report.purged = sweep_retention(store, config.retention, purge_limit, purge_budget).removed
+        report.purged = sweep_retention(
+            store, config.retention, purge_limit, purge_budget, events
+        ).removed
     return report
 
 

@@ -35,9 +35,7 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.serialization import raise_with_context
-from sqlalchemy.exc import SQLAlchemyError
 
-from . import dberrors
 from .app import install
 from .config import LeaseConfig
 from .duplicates import RESULT_WAIT_TRIES, DuplicateOutcomes
@@ -48,7 +46,6 @@ from .errors import (
     LeaseLost,
     RunCancelled,
 )
-from .events import emit
 from .lease import Lease, LeaseInterrupt, _current, current_lease
 from .outcomes import COMPLETE_RETRY_SECONDS, RunOutcomes, _ceiling, _Replaced, _seconds_until
 from .owner import Owner, new_owner
@@ -194,7 +191,7 @@ class LeasedTask(RunOutcomes):
         if not self._direct() and shutting_down(self.app):
             # A worker that is shutting down claims nothing new: hand the
             # delivery to a worker that stays (a prefetched message, say).
-            emit(
+            self._events.emit(
                 "handed_on",
                 run_id,
                 "run %s: worker shutting down, delivery handed on",
@@ -218,15 +215,13 @@ class LeasedTask(RunOutcomes):
         except (LeaseDatabaseError, LeaseInputError) as exc:
             # Fail closed: without a lease the body must not run.
             self._on_claim_error(config, run_id, exc)
-        except SQLAlchemyError as exc:  # the engine itself could not be made
-            self._on_claim_error(config, run_id, dberrors.wrap(exc, ""))
         if claim.outcome == "finished":
             if self.request.called_directly:
                 return None  # a plain call of a finished run: nothing to do
             return self._on_finished(config, runtime, claim)
         if claim.outcome == "busy":
             self._on_busy(config, claim)
-        emit(
+        runtime.events.emit(
             "claimed",
             run_id,
             "run %s: claimed attempt %d",
@@ -244,6 +239,7 @@ class LeasedTask(RunOutcomes):
             started_at=started_at,
             interrupt=config.interrupt and not app_runtime(self.app).green_pool,
             max_attempts=claim.max_attempts,
+            events=runtime.events,
         )
         return self._run_body(config, runtime, lease, args, kwargs)
 
@@ -269,7 +265,7 @@ class LeasedTask(RunOutcomes):
             except BaseException:
                 if self._completed_by_body(runtime, lease):
                     # fence(complete=True) committed: the run succeeded, whatever came after.
-                    emit(
+                    lease.events.emit(
                         "completed_then_raised",
                         lease.run_id,
                         "run %s: succeeded (recorded by the body; it raised afterwards)",

@@ -11,7 +11,6 @@ from sqlalchemy import Connection, event
 from .errors import LeaseLost
 from .events import LeaseState, Transition
 from .interrupt import Interrupts
-from .leasestate import _publish
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class Transitions(Interrupts):
             # Lost while the statement ran (e.g. the deadline): roll back.
             raise error
         self._hook(connection)
-        _publish(transition)
+        self._publish(transition)
 
     def _hook(self, connection: Connection) -> None:
         """Follow the end of ``connection``'s transaction: commit completes, rollback holds.
@@ -97,7 +96,7 @@ class Transitions(Interrupts):
                 transition = self._move_locked(LeaseState.HELD, "fenced transaction rolled back")
                 self._fenced_at = None
                 self._quiet_until = self._clock() + self.heartbeat_interval
-        _publish(transition)
+        self._publish(transition)
 
     def _verify_completion(self) -> None:
         """A renewal was refused after a fenced commit: did that commit land?"""
@@ -124,7 +123,7 @@ class Transitions(Interrupts):
                 self._verified = True
                 return
             transition = self._lose_locked("fenced completion did not commit; renewal refused")
-        _publish(transition)
+        self._publish(transition)
 
     def _detach_hooks(self) -> None:
         # Never from a hook: SQLAlchemy's dispatch loop cannot lose a listener

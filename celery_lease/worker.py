@@ -21,7 +21,6 @@ from typing import Any
 from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
 
 from .config import LeaseConfig, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
@@ -145,8 +144,8 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
                 f"installed ({describe_exception(exc, 200)}): pip install "
                 f"'celery-lease[{extra}]'"
             ) from None
-        except (LeaseDatabaseError, SQLAlchemyError) as exc:
-            driver_error = exc.__cause__ if isinstance(exc, LeaseDatabaseError) else exc
+        except LeaseDatabaseError as exc:
+            driver_error = exc.__cause__
             problem = _permanent_problem(driver_error if driver_error is not None else exc)
             if problem is not None:
                 raise ImproperlyConfigured(f"lease_database_url ({shown}): {problem}") from None

@@ -257,3 +257,19 @@ def test_operational_error_without_a_known_code_is_transient() -> None:
     exc = OperationalError("SELECT 1", {}, Exception("boom"))
     assert classify(exc, "postgresql").transient
     assert not classify(DBAPIError("SELECT 1", {}, Exception("x")), "postgresql").transient
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("url", "backend"), [("not a url", ""), ("nosuchdb://u:pw@h/db", "nosuchdb")]
+)
+def test_from_url_wraps_engine_errors(url: str, backend: str) -> None:
+    """An engine SQLAlchemy cannot make is a LeaseDatabaseError (the SQLAlchemy error its
+    cause), so callers of the store never catch SQLAlchemy's exceptions."""
+    from sqlalchemy.exc import ArgumentError
+
+    with pytest.raises(LeaseDatabaseError) as info:
+        LeaseStore.from_url(url)
+    assert isinstance(info.value.__cause__, ArgumentError)
+    assert not info.value.transient and info.value.cause == "client_error"
+    assert f"{backend} client_error: " in str(info.value) and "pw" not in str(info.value)

@@ -14,12 +14,7 @@ import pytest
 import celery_lease.interrupt as interrupt_module
 import celery_lease.lease as lease_module
 from celery_lease import Lease, LeaseLost, LeaseStore, testing
-from celery_lease.events import (
-    LeaseState,
-    Transition,
-    add_transition_listener,
-    remove_transition_listener,
-)
+from celery_lease.events import EventBus, LeaseState, Transition
 from celery_lease.heartbeat import Heartbeat
 from celery_lease.lease import LeaseInterrupt, Watchdog, safety_margin
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
@@ -27,12 +22,17 @@ from tests.helpers import FakeClock, held, wait_for
 
 
 @pytest.fixture
-def transitions() -> Iterator[list[Transition]]:
-    """Every lease transition published during the test."""
+def bus() -> EventBus:
+    """An app's event bus, to give the leases of a test (``events=bus``)."""
+    return EventBus()
+
+
+@pytest.fixture
+def transitions(bus: EventBus) -> list[Transition]:
+    """Every lease transition published on ``bus`` during the test."""
     seen: list[Transition] = []
-    add_transition_listener(seen.append)
-    yield seen
-    remove_transition_listener(seen.append)
+    bus.add_transition_listener(seen.append)
+    return seen
 
 
 @pytest.fixture
@@ -73,12 +73,12 @@ def test_deadline_starts_before_the_claim_was_sent(sqlite_store: LeaseStore) -> 
 
 
 def test_check_raises_past_the_deadline_whatever_the_heartbeat(
-    store: LeaseStore, transitions: list[Transition]
+    store: LeaseStore, bus: EventBus, transitions: list[Transition]
 ) -> None:
     """No heartbeat ever runs: check() passes before the deadline and raises after it,
     and fence() is refused without touching the row."""
     clock = FakeClock()
-    lease = held(store, "r1", 2.0, clock=clock)
+    lease = held(store, "r1", 2.0, clock=clock, events=bus)
     clock.now += 2.0 - lease.margin - 0.001
     lease.check()
     clock.now += 0.002
@@ -166,11 +166,11 @@ def test_interrupt_fires_at_the_deadline_with_the_heartbeat_stuck(
 
 
 def test_rollback_of_fenced_completion_then_takeover_is_detected(
-    store: LeaseStore, transitions: list[Transition]
+    store: LeaseStore, bus: EventBus, transitions: list[Transition]
 ) -> None:
     """fence(complete=True) rolled back returns the lease to held; a later takeover is
     then seen by the heartbeat (before: the lease stayed 'completed pending' forever)."""
-    lease = held(store, "r1", 5.0)
+    lease = held(store, "r1", 5.0, events=bus)
     heartbeat = Heartbeat(store, interval=10)
     heartbeat.register(lease, start=False)
     with pytest.raises(RuntimeError), store.engine.begin() as conn:
@@ -211,16 +211,16 @@ def test_savepoint_rollback_around_the_fence_returns_to_held(sqlite_store: Lease
 
 
 def test_complete_and_cancel_are_lease_transitions(
-    store: LeaseStore, transitions: list[Transition]
+    store: LeaseStore, bus: EventBus, transitions: list[Transition]
 ) -> None:
     """complete() and mark_cancelled() publish one transition per change; a repeated
     complete() after a fenced commit publishes nothing more."""
-    done = held(store, "done")
+    done = held(store, "done", events=bus)
     with store.engine.begin() as conn:
         done.fence(conn, complete=True)
     done.complete()
     done.complete()
-    cancelled = held(store, "cancelled")
+    cancelled = held(store, "cancelled", events=bus)
     store.cancel("cancelled")
     cancelled.renewed(time.monotonic(), cancel_requested=True)
     cancelled.mark_cancelled()
@@ -233,10 +233,10 @@ def test_complete_and_cancel_are_lease_transitions(
 
 
 def test_fence_refusal_is_a_published_loss(
-    store: LeaseStore, transitions: list[Transition]
+    store: LeaseStore, bus: EventBus, transitions: list[Transition]
 ) -> None:
     """A loss found by fence() is a transition like any other (so it is counted)."""
-    lease = held(store, "r1")
+    lease = held(store, "r1", events=bus)
     testing.steal_lease(store, "r1")
     with pytest.raises(LeaseLost), store.engine.begin() as conn:
         lease.fence(conn, complete=True)

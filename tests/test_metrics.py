@@ -15,17 +15,18 @@ from prometheus_client import CollectorRegistry
 from celery_lease import Lease, LeasedTask, LeaseLost, install, testing
 from celery_lease import metrics as lease_metrics
 from celery_lease.app import store_for
-from celery_lease.events import LeaseState, Transition, _listeners, emit, publish
+from celery_lease.events import LeaseState, Transition
+from celery_lease.runtime import app_runtime
 from tests.helpers import REPO
 
 
 @pytest.fixture
-def registry() -> Iterator[CollectorRegistry]:
-    """A private registry with lease metrics enabled on it, disabled afterwards."""
+def registry(app: Celery) -> Iterator[CollectorRegistry]:
+    """A private registry counting ``app``'s events, disabled afterwards."""
     reg = CollectorRegistry()
-    metrics = lease_metrics.enable(reg)
+    lease_metrics.enable(app, reg)
     yield reg
-    lease_metrics.disable(metrics)
+    lease_metrics.disable(app)
 
 
 def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
@@ -42,9 +43,11 @@ def app(tmp_path: Path) -> Iterator[Celery]:
     testing.shutdown_leases(app)
 
 
-def test_events_update_counters(registry: CollectorRegistry) -> None:
+def test_events_update_counters(app: Celery, registry: CollectorRegistry) -> None:
     """Each emitted lease event or lease transition moves its counter (or the histogram)."""
     held, completing = LeaseState.HELD, LeaseState.COMPLETING
+    bus = app_runtime(app).events
+    emit, publish = bus.emit, bus.publish
     emit("claimed", "r1", "x", attempt=1)
     emit("busy", "r1", "x", retry_in=1.0, policy="retry")
     publish(Transition("r1", "A", 1, held, completing))
@@ -81,7 +84,15 @@ def test_lease_lost_counted_once_per_attempt(app: Celery, registry: CollectorReg
     claim = testing.hold_lease(store, "r1", task_name="t", lease_seconds=30)
     for attempt in (1, 2):
         assert claim.attempt == attempt
-        lease = Lease(store, "r1", claim.owner, attempt, lease_seconds=30, heartbeat_interval=10)
+        lease = Lease(
+            store,
+            "r1",
+            claim.owner,
+            attempt,
+            lease_seconds=30,
+            heartbeat_interval=10,
+            events=app_runtime(app).events,
+        )
         claim = testing.steal_lease(store, "r1")
         lease.refused("heartbeat refused")
         with pytest.raises(LeaseLost):
@@ -139,22 +150,40 @@ def test_real_runs_are_counted(app: Celery, registry: CollectorRegistry) -> None
     assert value(registry, "celery_lease_lease_lost_total") == 1
 
 
-def test_enable_is_idempotent_per_registry() -> None:
-    """enable() twice on one registry returns the same metrics and registers once."""
+def test_enable_is_idempotent_per_app_and_registry(app: Celery) -> None:
+    """enable() twice for one app and registry returns the same metrics, listening once."""
     reg = CollectorRegistry()
-    first = lease_metrics.enable(reg)
+    bus = app_runtime(app).events
+    first = lease_metrics.enable(app, reg)
     try:
-        assert lease_metrics.enable(reg) is first
-        assert _listeners.count(first) == 1
+        assert lease_metrics.enable(app, reg) is first
+        assert bus._listeners.count(first) == 1
+        assert bus._transition_listeners.count(first.on_transition) == 1
     finally:
-        lease_metrics.disable(first)
-    assert first not in _listeners
+        lease_metrics.disable(app)
+    assert first not in bus._listeners and app_runtime(app).metrics is None
+
+
+def test_metrics_count_only_their_apps_events(app: Celery, registry: CollectorRegistry) -> None:
+    """Listeners are per app: another app's events are not counted, and reset() drops
+    the app's listeners (no process-wide list keeps them)."""
+    other = Celery("metrics-other", set_as_current=False)
+    app_runtime(other).events.emit("claimed", "r1", "x", attempt=1)
+    assert value(registry, "celery_lease_claims_total") == 0
+    app_runtime(app).events.emit("claimed", "r1", "x", attempt=1)
+    assert value(registry, "celery_lease_claims_total") == 1
+    app_runtime(app).reset()
+    assert app_runtime(app).metrics is None
+    app_runtime(app).events.emit("claimed", "r2", "x", attempt=1)
+    assert value(registry, "celery_lease_claims_total") == 1
 
 
 def test_lease_metrics_setting_enables_on_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """app.conf.lease_metrics = True makes install() enable metrics; other values are refused."""
     enabled: list[object] = []
-    monkeypatch.setattr(lease_metrics, "enable", lambda registry=None: enabled.append(registry))
+    monkeypatch.setattr(
+        lease_metrics, "enable", lambda app, registry=None: enabled.append(registry)
+    )
     app = Celery("m1", set_as_current=False)
     app.conf.lease_metrics = True
     install(app)
@@ -172,7 +201,7 @@ def test_missing_extra_gives_clear_import_error(monkeypatch: pytest.MonkeyPatch)
     """Enabling metrics without prometheus-client says which extra to install."""
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ImportError, match=r"pip install 'celery-lease\[prometheus\]'"):
-        lease_metrics.enable()
+        lease_metrics.enable(Celery("no-extra", set_as_current=False))
 
 
 def test_package_imports_without_prometheus() -> None:

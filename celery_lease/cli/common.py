@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 import click
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError
 
 from ..config import LeaseConfig
 from ..errors import LeaseDatabaseError, LeaseError
@@ -84,13 +84,6 @@ class _Failure(click.ClickException):
         super().__init__(" ".join(message.split()))
 
 
-def _first_line(exc: BaseException) -> str:
-    """The driver's own message, first line only, sanitized."""
-    inner = getattr(exc, "orig", None) or exc
-    text = str(inner).strip().splitlines()
-    return sanitize(f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": "), 300)
-
-
 def _operator_errors(fun: F) -> F:
     """Turn the failures an operator can cause into one line and exit status 1."""
 
@@ -109,9 +102,6 @@ def _operator_errors(fun: F) -> F:
             raise _Failure(f"lease database {url}: {sanitize(str(exc))}") from None
         except LeaseError as exc:
             raise _Failure(sanitize(str(exc))) from None
-        except SQLAlchemyError as exc:
-            url = click.get_current_context().meta.get(_URL_KEY, "?")
-            raise _Failure(f"lease database {url}: {_first_line(exc)}") from None
 
     return cast(F, wrapper)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from .. import dberrors
 from ..sanitize import safe_url
 from ..schema import (
     STATUSES,
@@ -90,7 +91,8 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
 
     url = _database_url(ctx)
     shown = safe_url(url)
-    result = upgrade(url, revision, lock_timeout=lock_timeout)
+    with dberrors.translated(dberrors.backend_of(url)):
+        result = upgrade(url, revision, lock_timeout=lock_timeout)
     if result.adopted:
         click.echo(
             f"{shown}: existing {TABLE_NAME} matches this version; recorded it at revision "

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Engine, bindparam, inspect, update
+from sqlalchemy.exc import SQLAlchemyError
 
+from .. import dberrors
 from ..schema import db_now_ms, metadata, runs
 from .admin import Control, OperatorReads
 from .base import _db_errors
@@ -77,15 +79,25 @@ class LeaseStore(Claims, Recovery, Control, OperatorReads):
         shares one pool, whose connections commit each statement outside
         ``BEGIN`` by themselves. Without ``lease_seconds`` the bounds are those
         of the default 30 s lease.
+
+        Raises:
+            LeaseDatabaseError: SQLAlchemy could not make an engine (a malformed
+                URL, an unknown dialect) or reach the database while setting it
+                up; the SQLAlchemy error is ``__cause__``.
         """
         bounds = DEFAULT_BOUNDS if lease_seconds is None else WaitBounds.for_lease(lease_seconds)
-        engine = create_lease_engine(url, bounds=bounds, **engine_kwargs)
-        if dialect_for(engine.dialect.name).raw_autocommit:
-            return cls(engine, bounds=bounds)
-        # Autocommit connections never hold a transaction: no reset on check-in.
-        auto_kwargs = {"pool_reset_on_return": None, **engine_kwargs}
-        auto = create_lease_engine(url, bounds=bounds, isolation_level="AUTOCOMMIT", **auto_kwargs)
-        return cls(engine, autocommit_engine=auto, bounds=bounds)
+        try:
+            engine = create_lease_engine(url, bounds=bounds, **engine_kwargs)
+            if dialect_for(engine.dialect.name).raw_autocommit:
+                return cls(engine, bounds=bounds)
+            # Autocommit connections never hold a transaction: no reset on check-in.
+            auto_kwargs = {"pool_reset_on_return": None, **engine_kwargs}
+            auto = create_lease_engine(
+                url, bounds=bounds, isolation_level="AUTOCOMMIT", **auto_kwargs
+            )
+            return cls(engine, autocommit_engine=auto, bounds=bounds)
+        except SQLAlchemyError as exc:
+            raise dberrors.wrap(exc, dberrors.backend_of(url)) from exc
 
     @property
     def engines(self) -> tuple[Engine, ...]:
