@@ -122,3 +122,16 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def empty_lease_table(url: str) -> None:
+    """Create the lease table at ``url`` if missing, and empty it (a fresh drain)."""
+    from sqlalchemy import text
+
+    from celery_lease import LeaseStore
+
+    store = LeaseStore.from_url(url)
+    store.create_schema()
+    with store.engine.begin() as conn:
+        conn.execute(text("TRUNCATE celery_lease_runs"))
+    store.dispose()

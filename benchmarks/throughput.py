@@ -29,13 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import redis as redis_client
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from celery_lease import LeaseStore
-
 from .benchapp import make_app
-from .common import median, read_marks, unique, wait_for, worker
+from .common import empty_lease_table, median, read_marks, unique, wait_for, worker
 
 POOL = "prefork"
 CONCURRENCY = 2
@@ -145,11 +142,7 @@ def run_one(
         env["BENCH_LEASE_DB"] = (
             pg_url if setup.lease_db == "postgresql" else via(pg_url, bouncer_url)
         )
-        store = LeaseStore.from_url(pg_url)
-        store.create_schema()
-        with store.engine.begin() as conn:
-            conn.execute(text("TRUNCATE celery_lease_runs"))
-        store.dispose()
+        empty_lease_table(pg_url)
     producer = make_app(env)
     noop = producer.tasks["bench.noop"]
     offset = random.randrange(10**9)  # fresh celery-once lock keys every run

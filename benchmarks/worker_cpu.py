@@ -34,7 +34,7 @@ from sqlalchemy import text
 from celery_lease import LeaseStore
 
 from .benchapp import make_app
-from .common import median, read_marks, table, unique, wait_for
+from .common import empty_lease_table, median, read_marks, table, unique, wait_for
 from .common import worker as bench_worker
 from .throughput import _TICK, _clean_redis
 
@@ -150,11 +150,7 @@ def run_one(
         assert pg
         env["BENCH_LEASE_DB"] = pg
         servers.add(_postmaster(pg))
-        store = LeaseStore.from_url(pg)
-        store.create_schema()
-        with store.engine.begin() as conn:
-            conn.execute(text("TRUNCATE celery_lease_runs"))
-        store.dispose()
+        empty_lease_table(pg)
     producer = make_app(env)
     noop = producer.tasks["bench.noop"]
     for i in range(n):
