@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-import celery_lease.interrupt as interrupt_module
-import celery_lease.lease as lease_module
+import celery_lease.lease.interrupt as interrupt_module
+import celery_lease.lease.lease as lease_module
 from celery_lease import Lease, LeaseLost, LeaseStore, testing
 from celery_lease.events import EventBus, LeaseState, Transition
-from celery_lease.heartbeat import Heartbeat
-from celery_lease.lease import LeaseInterrupt, Watchdog, safety_margin
+from celery_lease.lease.heartbeat import Heartbeat
+from celery_lease.lease.interrupt import LeaseInterrupt
+from celery_lease.lease.lease import safety_margin
+from celery_lease.lease.watchdog import Watchdog
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import FakeClock, held, wait_for
 
@@ -296,17 +298,17 @@ def test_async_exc_count_is_checked(
 
     monkeypatch.setattr(interrupt_module, "_set_async_exc", fake)
     lease = held(sqlite_store, "r1", 30.0, interrupt=True)
-    lease._thread_id = 12345  # as if a body ran in that thread
-    with caplog.at_level(logging.WARNING, logger="celery_lease.interrupt"):
+    lease._interrupter.arm(12345)  # as if a body ran in that thread
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease.interrupt"):
         lease.mark_lost("test")
     assert calls == [(12345, LeaseInterrupt), (12345, None)]
     assert "reached 2 threads" in caplog.text
     gone = held(sqlite_store, "r2", 30.0, interrupt=True)
-    gone._thread_id = 54321
+    gone._interrupter.arm(54321)
     answers[:] = [0]
-    with caplog.at_level(logging.WARNING, logger="celery_lease.interrupt"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease.interrupt"):
         gone.mark_lost("test")
-    assert gone._thread_id is None and "thread is gone" in caplog.text
+    assert gone._interrupter.thread_id is None and "thread is gone" in caplog.text
 
 
 def test_interrupt_is_off_with_a_warning_outside_cpython(
@@ -315,7 +317,7 @@ def test_interrupt_is_off_with_a_warning_outside_cpython(
     """On an interpreter without SetAsyncExc, lease_interrupt is turned off with a warning."""
     monkeypatch.setattr(lease_module, "ASYNC_INTERRUPT_SUPPORTED", False)
     monkeypatch.setattr(lease_module, "_warned_no_interrupt", False)
-    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease.lease"):
         lease = held(sqlite_store, "r1", 30.0, interrupt=True)
     assert lease.interrupt is False
     assert "needs CPython" in caplog.text
