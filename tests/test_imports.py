@@ -105,6 +105,16 @@ def test_no_import_circle_in_celery_lease() -> None:
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
+@pytest.mark.timeout(30)
+def test_watchdog_and_interrupter_know_no_lease() -> None:
+    """The watchdog and the interrupter import no other celery_lease module: the lease
+    tells them what they need (a deadline to poll, an interrupt owed)."""
+    graph = import_graph()
+    assert graph["celery_lease.lease.watchdog"] == set()
+    assert graph["celery_lease.lease.interrupt"] == set()
+    assert "celery_lease.lease.lease" not in graph["celery_lease.lease"]
+
+
 @pytest.mark.timeout(10)
 def test_cycle_finder_sees_a_local_import_circle() -> None:
     """The check itself: a circle closed by a function-local import is found."""

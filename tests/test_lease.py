@@ -13,11 +13,11 @@ import pytest
 
 import celery_lease.lease.interrupt as interrupt_module
 import celery_lease.lease.lease as lease_module
-from celery_lease import Lease, LeaseLost, LeaseStore, testing
+from celery_lease import Lease, LeaseError, LeaseLost, LeaseStore, current_lease, testing
 from celery_lease.events import EventBus, LeaseState, Transition
 from celery_lease.lease.heartbeat import Heartbeat
 from celery_lease.lease.interrupt import LeaseInterrupt
-from celery_lease.lease.lease import safety_margin
+from celery_lease.lease.lease import bind_current, current_or_none, safety_margin
 from celery_lease.lease.watchdog import Watchdog
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import FakeClock, held, wait_for
@@ -432,3 +432,20 @@ def test_side_threads_never_take_a_process_signal(sqlite_store: LeaseStore) -> N
     finally:
         heartbeat.stop()
         dog.unwatch(lease)
+
+
+def test_bind_current_sets_and_restores_the_current_lease(sqlite_store: LeaseStore) -> None:
+    """bind_current(lease) makes it current_lease() inside the block; the previous one
+    (or none) is current again after it, also when the block raises."""
+    outer = held(sqlite_store, "r1", 30.0)
+    inner = held(sqlite_store, "r2", 30.0)
+    assert current_or_none() is None
+    with bind_current(outer) as bound:
+        assert bound is outer and current_lease() is outer
+        with pytest.raises(RuntimeError), bind_current(inner):
+            assert current_or_none() is inner
+            raise RuntimeError("body failed")
+        assert current_lease() is outer
+    assert current_or_none() is None
+    with pytest.raises(LeaseError):
+        current_lease()
