@@ -449,3 +449,35 @@ def test_bind_current_sets_and_restores_the_current_lease(sqlite_store: LeaseSto
     assert current_or_none() is None
     with pytest.raises(LeaseError):
         current_lease()
+
+
+def test_interrupter_delivers_only_what_it_is_told_is_owed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupter raises only when told an interrupt is owed and still owed at
+    delivery; an uninterruptible block withholds it, and the end of the quiet period
+    is reported as the next wake-up."""
+    raised: list[tuple[int, object]] = []
+
+    def fake(thread_id: int, exc: object) -> int:
+        raised.append((thread_id, exc))
+        return 1
+
+    monkeypatch.setattr(interrupt_module, "_set_async_exc", fake)
+    clock = FakeClock()
+    interrupter = interrupt_module.Interrupter("r1", clock)
+    assert interrupter.owe() is False  # no body armed: nothing to interrupt
+    interrupter.arm(4242)
+    assert interrupter.owe() is True
+    interrupter.hold()
+    assert interrupter.deliver(owed=True) is False and raised == []  # withheld in the block
+    interrupter.release()
+    assert interrupter.deliver(owed=False) is False and raised == []  # no longer owed: dropped
+    assert interrupter.next_wake() is None
+    interrupter.quiet_for(2.0)
+    assert interrupter.owe() is True
+    assert interrupter.deliver(owed=True) is True and raised == []  # quiet: poll again
+    assert interrupter.next_wake() == clock() + 2.0
+    clock.now += 2.0
+    assert interrupter.deliver(owed=True) is False
+    assert raised == [(4242, LeaseInterrupt)]
+    interrupter.disarm()  # sent, maybe not delivered: withdrawn
+    assert raised[-1] == (4242, None) and interrupter.thread_id is None
