@@ -34,8 +34,9 @@ from celery import Celery
 from celery.app.trace import build_tracer
 
 from celery_lease import LeasedTask
-from celery_lease.app import runtime_for, shutting_down, worker_id
-from celery_lease.lease import Lease, _current, process_watchdog
+from celery_lease.lease.lease import Lease, bind_current
+from celery_lease.lease.watchdog import process_watchdog
+from celery_lease.runtime import runtime_for, shutting_down, worker_id
 from celery_lease.task import new_owner
 
 from .common import median, table
@@ -216,10 +217,9 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
         def lease_cycle() -> None:
             lease = new_lease()
             runtime.heartbeat.register(lease)
-            token = _current.set(lease)
-            lease.run_interruptible(lambda: None)
-            runtime.heartbeat.unregister(lease)
-            _current.reset(token)
+            with bind_current(lease):
+                lease.run_interruptible(lambda: None)
+                runtime.heartbeat.unregister(lease)
 
         out.append(
             (

@@ -29,9 +29,9 @@ from celery import Celery
 from sqlalchemy import Engine, event, insert
 
 from celery_lease import LeasedTask, LeaseStore
-from celery_lease.app import store_for
-from celery_lease.heartbeat import Heartbeat
-from celery_lease.lease import Lease
+from celery_lease.lease.heartbeat import Heartbeat
+from celery_lease.lease.lease import Lease
+from celery_lease.runtime import store_for
 from celery_lease.schema import runs
 from tests.helpers import driver_statements
 

@@ -4,7 +4,7 @@ Every run of a ``LeasedTask`` is owned by one worker at a time, renewed by a
 heartbeat thread, and recorded with a statement guarded by owner and attempt.
 """
 
-from .app import install, store_for
+from .app import install
 from .config import LeaseConfig
 from .errors import (
     InvalidLeaseKey,
@@ -16,7 +16,8 @@ from .errors import (
     RunCancelled,
     RunFailed,
 )
-from .lease import Lease, current_lease
+from .lease.lease import Lease, current_lease
+from .runtime import store_for
 from .store import LeaseStore
 from .task import LeasedTask
 

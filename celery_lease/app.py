@@ -6,32 +6,9 @@ from celery import Celery
 
 from .config import beat_sweep_interval
 from .metrics import enable_from_app
-from .runtime import (
-    AppRuntime,
-    Runtime,
-    WorkerInstance,
-    app_config,
-    app_runtime,
-    runtime_for,
-    shutting_down,
-    store_for,
-    worker_id,
-)
+from .runtime import app_runtime
 from .sanitize import protect_loggers
 from .sweeper import BEAT_ENTRY_NAME, SWEEP_TASK_NAME
-
-__all__ = [
-    "AppRuntime",
-    "Runtime",
-    "WorkerInstance",
-    "app_config",
-    "app_runtime",
-    "install",
-    "runtime_for",
-    "shutting_down",
-    "store_for",
-    "worker_id",
-]
 
 #: The worker bootstep, by name: Celery imports ``celery_lease.worker`` when a
 #: worker starts. (Imported here it would close a circle: worker -> task -> app.)
@@ -59,7 +36,7 @@ def install(app: Celery) -> None:
     if runtime.installed:
         return
     # lease_metrics = True; a clear ImportError without the extra
-    runtime.metrics = enable_from_app(app)
+    enable_from_app(app)
     runtime.installed = True
     app.steps["worker"].add(BOOTSTEP)  # it connects the signal receivers
     _add_beat_entry(app)

@@ -188,17 +188,14 @@ def enable(app: Celery, registry: Any = None) -> LeaseMetrics:
     runtime = app_runtime(app)
     with _lock:
         metrics = runtime.metrics
-        if metrics is None or metrics.registry is not target:
-            if metrics is not None:
-                metrics.unsubscribe(runtime.events)
+        if not isinstance(metrics, LeaseMetrics) or metrics.registry is not target:
             if target is prom.REGISTRY:
                 if _default is None:
                     _default = LeaseMetrics(target)
                 metrics = _default
             else:
                 metrics = LeaseMetrics(target)
-            runtime.metrics = metrics
-        metrics.subscribe(runtime.events)
+        runtime.count_with(metrics)  # the previous metrics stop counting
     return metrics
 
 
@@ -206,9 +203,7 @@ def disable(app: Celery) -> None:
     """Stop counting ``app``'s events (the series stay registered)."""
     runtime = app_runtime(app)
     with _lock:
-        if runtime.metrics is not None:
-            runtime.metrics.unsubscribe(runtime.events)
-            runtime.metrics = None
+        runtime.count_with(None)
 
 
 def enable_from_app(app: Celery) -> LeaseMetrics | None:

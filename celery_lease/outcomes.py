@@ -16,7 +16,7 @@ from .errors import (
     LeaseError,
     LeaseLost,
 )
-from .lease import Lease
+from .lease.lease import Lease
 from .republish import backoff_delay
 from .runtime import Runtime
 from .sanitize import describe_exception

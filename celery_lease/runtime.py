@@ -17,19 +17,28 @@ import mmap
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from celery import Celery
 
 from .config import LeaseConfig
 from .events import EventBus
-from .heartbeat import Heartbeat
+from .lease.heartbeat import Heartbeat
 from .store import LeaseStore
 
-if TYPE_CHECKING:
-    from .metrics import LeaseMetrics
-
 _runtime_lock = threading.Lock()
+
+
+class Subscriber(Protocol):
+    """What counts an app's events (:class:`celery_lease.metrics.LeaseMetrics`)."""
+
+    def subscribe(self, events: EventBus) -> None:
+        """Start listening on ``events``."""
+        ...
+
+    def unsubscribe(self, events: EventBus) -> None:
+        """Stop listening on ``events``."""
+        ...
 
 
 class AppRuntime:
@@ -48,9 +57,22 @@ class AppRuntime:
         self.green_pool = False
         #: The app's lease events: its tasks, leases, heartbeats and sweeps emit here.
         self.events = EventBus()
-        #: Counters of ``lease_metrics``, when on (listening on :attr:`events`).
-        self.metrics: LeaseMetrics | None = None
+        self._metrics: Subscriber | None = None
         self.installed = False
+
+    @property
+    def metrics(self) -> Subscriber | None:
+        """Counters of ``lease_metrics``, when on (listening on :attr:`events`)."""
+        return self._metrics
+
+    def count_with(self, metrics: Subscriber | None) -> None:
+        """Count this app's events with ``metrics`` (None: stop); the previous ones stop."""
+        previous = self._metrics
+        if previous is not None and previous is not metrics:
+            previous.unsubscribe(self.events)
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.subscribe(self.events)
 
     def forget_settings(self) -> None:
         """Read the app's and tasks' settings again on next use."""
@@ -64,7 +86,7 @@ class AppRuntime:
         (or :func:`celery_lease.metrics.enable`) turns them on again.
         """
         self.events.clear()
-        self.metrics = None
+        self._metrics = None
         self.installed = False
         databases = list(self.databases.values())
         self.databases.clear()

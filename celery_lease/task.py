@@ -46,7 +46,8 @@ from .errors import (
     LeaseLost,
     RunCancelled,
 )
-from .lease import Lease, LeaseInterrupt, _current, current_lease
+from .lease.interrupt import LeaseInterrupt
+from .lease.lease import Lease, _current, current_lease
 from .outcomes import COMPLETE_RETRY_SECONDS, RunOutcomes, _ceiling, _Replaced, _seconds_until
 from .owner import Owner, new_owner
 from .republish import (

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from celery_lease.app import store_for
+from celery_lease import store_for
 
 from .processes import PROJECT_ROOT, CeleryProcess
 

@@ -13,8 +13,7 @@ import time
 
 from sqlalchemy import Engine, insert, select, update
 
-from celery_lease import LeasedTask
-from celery_lease.app import store_for
+from celery_lease import LeasedTask, store_for
 
 from . import gateway
 from .app import app, settings

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from celery_lease import Lease, LeaseLost, LeaseStore, RunCancelled
-from celery_lease.heartbeat import Heartbeat
+from celery_lease.lease.heartbeat import Heartbeat
 from tests import helpers
 from tests.helpers import FakeClock, wait_for
 

@@ -1,8 +1,10 @@
 """No import circle inside celery_lease, and every module imports on its own.
 
-The graph counts every import of a ``celery_lease`` module, at module level or
-inside a function (a function-local import that dodges a circle is still one);
-only imports under ``if TYPE_CHECKING:`` are left out, since they never run.
+The graph counts every import of a ``celery_lease`` module: at module level,
+inside a function (a function-local import that dodges a circle is still one),
+and under ``if TYPE_CHECKING:`` (an import made only for the type checker still
+says that one module depends on the other, so "imports only go down" holds for
+those too).
 """
 
 from __future__ import annotations
@@ -30,23 +32,12 @@ def module_names() -> dict[str, Path]:
     return names
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules ``name`` imports anywhere in its code (not under TYPE_CHECKING)."""
+    """The package modules ``name`` imports anywhere in its code, TYPE_CHECKING blocks included."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -114,11 +105,36 @@ def test_no_import_circle_in_celery_lease() -> None:
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
+@pytest.mark.timeout(30)
+def test_watchdog_and_interrupter_know_no_lease() -> None:
+    """The watchdog and the interrupter import no other celery_lease module: the lease
+    tells them what they need (a deadline to poll, an interrupt owed)."""
+    graph = import_graph()
+    assert graph["celery_lease.lease.watchdog"] == set()
+    assert graph["celery_lease.lease.interrupt"] == set()
+    assert "celery_lease.lease.lease" not in graph["celery_lease.lease"]
+
+
 @pytest.mark.timeout(10)
 def test_cycle_finder_sees_a_local_import_circle() -> None:
     """The check itself: a circle closed by a function-local import is found."""
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.timeout(10)
+def test_type_checking_imports_count(tmp_path: Path) -> None:
+    """The check itself: an import under ``if TYPE_CHECKING:`` is an edge of the graph."""
+    source = tmp_path / "a.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from .b import B\n"
+        "    import pkg.c\n",
+        encoding="utf-8",
+    )
+    modules = {"pkg.a": source, "pkg.b": source, "pkg.c": source}
+    assert _imported("pkg.a", source, modules) == {"pkg.b", "pkg.c"}
 
 
 @pytest.mark.timeout(300)

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-import celery_lease.interrupt as interrupt_module
-import celery_lease.lease as lease_module
-from celery_lease import Lease, LeaseLost, LeaseStore, testing
+import celery_lease.lease.interrupt as interrupt_module
+import celery_lease.lease.lease as lease_module
+from celery_lease import Lease, LeaseError, LeaseLost, LeaseStore, current_lease, testing
 from celery_lease.events import EventBus, LeaseState, Transition
-from celery_lease.heartbeat import Heartbeat
-from celery_lease.lease import LeaseInterrupt, Watchdog, safety_margin
+from celery_lease.lease.heartbeat import Heartbeat
+from celery_lease.lease.interrupt import LeaseInterrupt
+from celery_lease.lease.lease import bind_current, current_or_none, safety_margin
+from celery_lease.lease.watchdog import Watchdog
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import FakeClock, held, wait_for
 
@@ -296,17 +298,17 @@ def test_async_exc_count_is_checked(
 
     monkeypatch.setattr(interrupt_module, "_set_async_exc", fake)
     lease = held(sqlite_store, "r1", 30.0, interrupt=True)
-    lease._thread_id = 12345  # as if a body ran in that thread
-    with caplog.at_level(logging.WARNING, logger="celery_lease.interrupt"):
+    lease._interrupter.arm(12345)  # as if a body ran in that thread
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease.interrupt"):
         lease.mark_lost("test")
     assert calls == [(12345, LeaseInterrupt), (12345, None)]
     assert "reached 2 threads" in caplog.text
     gone = held(sqlite_store, "r2", 30.0, interrupt=True)
-    gone._thread_id = 54321
+    gone._interrupter.arm(54321)
     answers[:] = [0]
-    with caplog.at_level(logging.WARNING, logger="celery_lease.interrupt"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease.interrupt"):
         gone.mark_lost("test")
-    assert gone._thread_id is None and "thread is gone" in caplog.text
+    assert gone._interrupter.thread_id is None and "thread is gone" in caplog.text
 
 
 def test_interrupt_is_off_with_a_warning_outside_cpython(
@@ -315,7 +317,7 @@ def test_interrupt_is_off_with_a_warning_outside_cpython(
     """On an interpreter without SetAsyncExc, lease_interrupt is turned off with a warning."""
     monkeypatch.setattr(lease_module, "ASYNC_INTERRUPT_SUPPORTED", False)
     monkeypatch.setattr(lease_module, "_warned_no_interrupt", False)
-    with caplog.at_level(logging.WARNING, logger="celery_lease.lease"):
+    with caplog.at_level(logging.WARNING, logger="celery_lease.lease.lease"):
         lease = held(sqlite_store, "r1", 30.0, interrupt=True)
     assert lease.interrupt is False
     assert "needs CPython" in caplog.text
@@ -430,3 +432,52 @@ def test_side_threads_never_take_a_process_signal(sqlite_store: LeaseStore) -> N
     finally:
         heartbeat.stop()
         dog.unwatch(lease)
+
+
+def test_bind_current_sets_and_restores_the_current_lease(sqlite_store: LeaseStore) -> None:
+    """bind_current(lease) makes it current_lease() inside the block; the previous one
+    (or none) is current again after it, also when the block raises."""
+    outer = held(sqlite_store, "r1", 30.0)
+    inner = held(sqlite_store, "r2", 30.0)
+    assert current_or_none() is None
+    with bind_current(outer) as bound:
+        assert bound is outer and current_lease() is outer
+        with pytest.raises(RuntimeError), bind_current(inner):
+            assert current_or_none() is inner
+            raise RuntimeError("body failed")
+        assert current_lease() is outer
+    assert current_or_none() is None
+    with pytest.raises(LeaseError):
+        current_lease()
+
+
+def test_interrupter_delivers_only_what_it_is_told_is_owed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupter raises only when told an interrupt is owed and still owed at
+    delivery; an uninterruptible block withholds it, and the end of the quiet period
+    is reported as the next wake-up."""
+    raised: list[tuple[int, object]] = []
+
+    def fake(thread_id: int, exc: object) -> int:
+        raised.append((thread_id, exc))
+        return 1
+
+    monkeypatch.setattr(interrupt_module, "_set_async_exc", fake)
+    clock = FakeClock()
+    interrupter = interrupt_module.Interrupter("r1", clock)
+    assert interrupter.owe() is False  # no body armed: nothing to interrupt
+    interrupter.arm(4242)
+    assert interrupter.owe() is True
+    interrupter.hold()
+    assert interrupter.deliver(owed=True) is False and raised == []  # withheld in the block
+    interrupter.release()
+    assert interrupter.deliver(owed=False) is False and raised == []  # no longer owed: dropped
+    assert interrupter.next_wake() is None
+    interrupter.quiet_for(2.0)
+    assert interrupter.owe() is True
+    assert interrupter.deliver(owed=True) is True and raised == []  # quiet: poll again
+    assert interrupter.next_wake() == clock() + 2.0
+    clock.now += 2.0
+    assert interrupter.deliver(owed=True) is False
+    assert raised == [(4242, LeaseInterrupt)]
+    interrupter.disarm()  # sent, maybe not delivered: withdrawn
+    assert raised[-1] == (4242, None) and interrupter.thread_id is None

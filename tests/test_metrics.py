@@ -14,9 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from celery_lease import Lease, LeasedTask, LeaseLost, install, testing
 from celery_lease import metrics as lease_metrics
-from celery_lease.app import store_for
 from celery_lease.events import LeaseState, Transition
-from celery_lease.runtime import app_runtime
+from celery_lease.runtime import app_runtime, store_for
 from tests.helpers import REPO
 
 

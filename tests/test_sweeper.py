@@ -13,7 +13,7 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from celery_lease import InvalidLeaseKey, LeasedTask, LeaseStore
-from celery_lease.app import store_for
+from celery_lease.runtime import store_for
 from celery_lease.sweeper import sweep
 
 

@@ -10,7 +10,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_lease import LeasedTask, LeaseError, current_lease
-from celery_lease.app import store_for
+from celery_lease.runtime import store_for
 
 from .helpers import driver_statements
 

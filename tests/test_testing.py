@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseBusy, LeasedTask, LeaseError, LeaseLost, LeaseStore, testing
-from celery_lease.app import store_for
+from celery_lease.runtime import store_for
 from celery_lease.store import RunNotFound
 from celery_lease.testing import lease_database_url, lease_store  # noqa: F401 - fixtures
 

@@ -16,7 +16,7 @@ from celery import Celery
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
-from celery_lease.app import shutting_down
+from celery_lease.runtime import shutting_down
 from celery_lease.store import WaitBounds, create_lease_engine
 from tests.helpers import plain_engine, queue_for
 

@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
 from ..errors import LeaseError
-from ..lease import Lease, current_lease
+from ..lease.lease import Lease, current_lease
 
 #: Django database backends and the SQLAlchemy dialect+driver celery-lease uses for them.
 BACKEND_URLS = {

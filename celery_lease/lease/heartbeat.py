@@ -7,10 +7,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from .events import LOG_ONLY, EventLog
-from .lease import Lease, block_signals_in_side_thread
-from .sanitize import describe_exception
-from .store import HeartbeatResult, LeaseStore
+from ..events import LOG_ONLY, EventLog
+from ..sanitize import describe_exception
+from ..store import HeartbeatResult, LeaseStore
+from .lease import Lease
+from .watchdog import block_signals_in_side_thread
 
 logger = logging.getLogger(__name__)
 

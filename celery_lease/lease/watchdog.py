@@ -8,10 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .lease import Lease
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +33,19 @@ def block_signals_in_side_thread() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIDE_THREAD_BLOCKED)
 
 
+class Watched(Protocol):
+    """What the watchdog needs of a lease: its local deadline, and a way to act on it."""
+
+    @property
+    def deadline(self) -> float:
+        """The local deadline, on the watchdog's monotonic clock."""
+        ...
+
+    def poll_deadline(self, now: float | None = None) -> float | None:
+        """Act on the deadline at ``now``; return when to poll again (None: no need)."""
+        ...
+
+
 class Watchdog:
     """One daemon thread per process that acts on the local deadline of every watched lease.
 
@@ -49,7 +59,7 @@ class Watchdog:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._leases: set[Lease] = set()
+        self._leases: set[Watched] = set()
         self._cond = threading.Condition()
         self._generation = 0
         self._polling = False
@@ -59,7 +69,7 @@ class Watchdog:
         self._seen_min = float("inf")
         self._thread: threading.Thread | None = None
 
-    def watch(self, lease: Lease) -> None:
+    def watch(self, lease: Watched) -> None:
         """Start watching ``lease`` (and start the thread if needed).
 
         The thread is woken only when this lease's deadline comes before its
@@ -92,7 +102,7 @@ class Watchdog:
             self._generation += 1
             self._cond.notify()
 
-    def unwatch(self, lease: Lease) -> None:
+    def unwatch(self, lease: Watched) -> None:
         """Stop watching ``lease``."""
         with self._cond:
             self._leases.discard(lease)

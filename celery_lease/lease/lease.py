@@ -1,0 +1,616 @@
+"""The handle a running task holds: ``self.lease`` / :func:`current_lease`.
+
+:class:`Lease` is the one owner of a lease's state: one class, one lock. Every
+change (held -> completing -> completed, lost, cancel requested, cancelled) is
+made here and published once as a typed :class:`~celery_lease.events.Transition`;
+the heartbeat, the watchdog and the task only report what they learned by
+calling its methods.
+
+Safety never rests on the heartbeat thread alone: each lease keeps a local
+monotonic deadline (see :func:`safety_margin`), and a per-process
+:class:`~celery_lease.lease.watchdog.Watchdog` thread, which never touches the
+network, acts on it even while the heartbeat thread is stuck in a socket read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import Connection, event
+
+from ..errors import LeaseError, LeaseLost, RunCancelled
+from ..events import LOG_ONLY, EventLog, LeaseState, Transition
+from .interrupt import ASYNC_INTERRUPT_SUPPORTED, Interrupter, LeaseInterrupt
+from .watchdog import Watchdog, process_watchdog
+
+if TYPE_CHECKING:
+    from ..store import LeaseStore
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+#: Share of ``lease_seconds`` kept in reserve: the local deadline falls this much
+#: before the earliest moment the database can consider the lease expired.
+SAFETY_FRACTION = 0.1
+#: Worst relative rate difference assumed between this host's monotonic clock and
+#: the database server's clock (NTP slews a clock by at most 500 ppm; doubled).
+CLOCK_RATE_SLACK = 0.001
+
+#: The states in which the body is interrupted (when it runs armed).
+_INTERRUPTING = (LeaseState.LOST, LeaseState.CANCEL_REQUESTED)
+#: The states in which the local deadline can still make the lease lost.
+_DEADLINE_APPLIES = (LeaseState.HELD, LeaseState.CANCEL_REQUESTED)
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "celery_lease_current", default=None
+)
+
+_warned_no_interrupt = False
+
+
+def safety_margin(lease_seconds: float) -> float:
+    """How long before the database's expiry a lease counts as lost locally.
+
+    ``lease_seconds * (SAFETY_FRACTION + CLOCK_RATE_SLACK)``: 10.1 % of the
+    lease (3.03 s of a 30 s lease). The fraction covers the time between the
+    database computing an expiry and this process acting on its own deadline
+    (a check in flight, a scheduling delay); the slack covers clock rates.
+    """
+    return lease_seconds * (SAFETY_FRACTION + CLOCK_RATE_SLACK)
+
+
+def current_lease() -> Lease:
+    """The lease held by the task running in this thread.
+
+    Raises:
+        LeaseError: when no leased task is running here.
+    """
+    lease = _current.get()
+    if lease is None:
+        raise LeaseError("no lease is held here: call this inside a LeasedTask body")
+    return lease
+
+
+def current_or_none() -> Lease | None:
+    """The lease held by the task running in this thread, or None."""
+    return _current.get()
+
+
+def bind_current(lease: Lease) -> _Bound:
+    """A context manager: ``lease`` is the current lease (:func:`current_lease`) inside it."""
+    return _Bound(lease)
+
+
+class _Bound:
+    """What :func:`bind_current` returns (a class: cheaper than a generator, once per task)."""
+
+    __slots__ = ("_lease", "_token")
+
+    def __init__(self, lease: Lease) -> None:
+        self._lease = lease
+
+    def __enter__(self) -> Lease:
+        self._token = _current.set(self._lease)
+        return self._lease
+
+    def __exit__(self, *exc_info: object) -> None:
+        _current.reset(self._token)
+
+
+class Lease:
+    """Ownership of one run by this worker, renewed by the heartbeat thread.
+
+    The lease is treated as lost locally once its deadline passes: ``started_at``
+    (taken before the claim statement was sent) + ``lease_seconds`` - the
+    :func:`safety_margin`, moved only by a confirmed renewal (its send time +
+    ``lease_seconds`` - margin). The database computes every expiry later than
+    that, so this process gives the lease up before anyone can take it over.
+
+    Every state change happens under one lock, in this class. The heartbeat
+    reports through :meth:`renewed` and :meth:`refused`, the watchdog through
+    :meth:`poll_deadline`, the body and the task through :meth:`check`,
+    :meth:`fence`, :meth:`complete`, :meth:`mark_cancelled` and
+    :meth:`mark_lost`. Raising into the body thread is left to the
+    :class:`~celery_lease.lease.interrupt.Interrupter` it holds, which is told
+    when an interrupt is owed.
+
+    Attributes:
+        run_id: the run's id (the task id, or the task's ``lease_key``).
+        owner: this claim's unique owner string.
+        attempt: the fencing token; hand it to external systems.
+        max_attempts: the attempt at which the run is out of attempts, as the
+            claim read it from the row (0 when not known: the setting decides).
+        events: where its transitions are published: its app's
+            :class:`~celery_lease.events.EventBus` (given by the task), else
+            :data:`~celery_lease.events.LOG_ONLY`.
+    """
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        lease_seconds: float,
+        heartbeat_interval: float,
+        interrupt: bool = False,
+        started_at: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        watchdog: Watchdog | None = None,
+        max_attempts: int = 0,
+        events: EventLog = LOG_ONLY,
+    ) -> None:
+        self.store = store
+        self.events = events
+        self.run_id = run_id
+        self.owner = owner
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.lease_seconds = lease_seconds
+        self.heartbeat_interval = heartbeat_interval
+        self.margin = safety_margin(lease_seconds)
+        if interrupt and not ASYNC_INTERRUPT_SUPPORTED:
+            _warn_no_interrupt()
+            interrupt = False
+        self.interrupt = interrupt
+        self._clock = clock
+        self._watchdog = watchdog
+        self._lock = threading.Lock()
+        self._state = LeaseState.HELD
+        self._lost: LeaseLost | None = None
+        self._cancel_seen = False
+        start = clock() if started_at is None else started_at
+        self._deadline = start + lease_seconds - self.margin
+        # COMPLETING / COMPLETED bookkeeping.
+        self._fenced_at: float | None = None  # when fence(complete=True) wrote success
+        self._verified = False  # the database confirmed this owner's success
+        self._hooks: list[tuple[Connection, str, Callable[..., None]]] = []
+        self._interrupter = Interrupter(run_id, clock)
+
+    # -- what the body sees ------------------------------------------------------
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """``(run_id, owner, attempt)``: what every guarded statement names."""
+        return (self.run_id, self.owner, self.attempt)
+
+    @property
+    def state(self) -> LeaseState:
+        """Where this lease stands now."""
+        return self._state
+
+    @property
+    def deadline(self) -> float:
+        """The local deadline, on this lease's monotonic clock."""
+        return self._deadline
+
+    @property
+    def lost(self) -> bool:
+        """True once this lease is known (or locally presumed) lost."""
+        return self._state is LeaseState.LOST
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once a renewal has seen a cancel request for this run."""
+        return self._cancel_seen
+
+    @property
+    def completed_pending(self) -> bool:
+        """True once ``fence(complete=True)`` wrote this owner's success and it did not roll back.
+
+        The run may then be recorded succeeded (``completing``: not committed
+        yet; ``completed``: committed).
+        """
+        return self._state in (LeaseState.COMPLETING, LeaseState.COMPLETED)
+
+    @property
+    def renewable(self) -> bool:
+        """Whether the heartbeat should still renew this lease."""
+        state = self._state
+        if state is LeaseState.COMPLETED:
+            return not self._verified
+        return state in (LeaseState.HELD, LeaseState.CANCEL_REQUESTED, LeaseState.COMPLETING)
+
+    def check(self) -> None:
+        """Raise if the lease is gone or the run was cancelled; else return at once.
+
+        Raises:
+            LeaseLost: the lease was taken over or expired, or its local
+                deadline passed without a confirmed renewal.
+            RunCancelled: cancellation was requested for this run.
+        """
+        error = self.error()
+        if error is not None:
+            raise error
+
+    def error(self) -> LeaseLost | RunCancelled | None:
+        """The error :meth:`check` would raise, or None."""
+        self.poll_deadline()
+        state = self._state
+        if state is LeaseState.LOST:
+            return self._lost
+        if state in (LeaseState.CANCEL_REQUESTED, LeaseState.CANCELLED):
+            return RunCancelled(self.run_id, self.owner, self.attempt)
+        return None
+
+    def fence(self, connection: Connection, *, complete: bool = False) -> None:
+        """Prove, inside ``connection``'s open transaction, that this lease still holds.
+
+        Locks the run row until that transaction ends, so writes made in it
+        commit only while this worker owns the run. ``connection`` must be on
+        the lease database. With ``complete=True`` the run is also recorded as
+        succeeded in the same transaction, so the writes and the completion
+        commit together or not at all (exactly-once effects on that database);
+        if that transaction rolls back, the lease is held again and watched as
+        before.
+
+        Raises:
+            LeaseLost: the lease is no longer held, or its local deadline passed
+                (the transaction should roll back).
+        """
+        with self.uninterruptible():
+            if self._state is not LeaseState.COMPLETING:
+                self._detach_hooks()
+            self.check()
+            try:
+                self.store.fence(
+                    connection, self.run_id, self.owner, self.attempt, complete=complete
+                )
+            except LeaseLost as exc:
+                self.mark_lost(exc.reason)
+                raise
+            if complete:
+                self._completing(connection)
+
+    def complete(self) -> None:
+        """Record success with the guarded completion (idempotent after ``fence(complete=True)``).
+
+        Raises:
+            LeaseLost: another owner holds the run, or it ended otherwise.
+            LeaseDatabaseError: the database did not answer; the lease is as
+                before and the call may be repeated.
+        """
+        transition = None
+        with self._lock:
+            if self._state is LeaseState.COMPLETED and self._verified:
+                return
+            if self._state in _DEADLINE_APPLIES:
+                self._fenced_at = None
+                transition = self._move_locked(LeaseState.COMPLETING)
+        self._publish(transition)
+        try:
+            with self.uninterruptible():
+                self.store.complete(self.run_id, self.owner, self.attempt)
+        except LeaseLost as exc:
+            self.mark_lost(exc.reason)
+            raise
+        except BaseException:
+            with self._lock:
+                back = None
+                if transition is not None and self._state is LeaseState.COMPLETING:
+                    back = self._roll_back_locked("completion not confirmed", transition.previous)
+            self._publish(back)
+            raise
+        with self._lock:
+            self._verified = True
+            done = None
+            if self._state is not LeaseState.COMPLETED:
+                done = self._move_locked(LeaseState.COMPLETED)
+        self._publish(done)
+        self._detach_hooks()
+
+    def mark_cancelled(self) -> None:
+        """End the run ``cancelled`` (guarded) after a cancel request.
+
+        Raises:
+            LeaseLost: this owner no longer holds the run.
+        """
+        try:
+            with self.uninterruptible():
+                self.store.mark_cancelled(self.run_id, self.owner, self.attempt)
+        except LeaseLost as exc:
+            self.mark_lost(exc.reason)
+            raise
+        with self._lock:
+            transition = self._move_locked(LeaseState.CANCELLED)
+        self._publish(transition)
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record that this lease is lost (the first reason wins); interrupt the body.
+
+        For whoever learned it: a refused guarded write, the heartbeat, the
+        deadline. A lease already completed or cancelled stays so. Returns
+        True the first time.
+        """
+        with self._lock:
+            if self._state in (LeaseState.LOST, LeaseState.COMPLETED, LeaseState.CANCELLED):
+                return False
+            transition = self._lose_locked(reason)
+        self._publish(transition)
+        return True
+
+    # -- what the heartbeat and the watchdog report --------------------------------
+
+    def renewed(self, sent_at: float, *, cancel_requested: bool = False) -> None:
+        """A renewal sent at ``sent_at`` (this lease's clock) was confirmed by the database."""
+        transitions: list[Transition | None] = []
+        with self._lock:
+            state = self._state
+            if state in (LeaseState.LOST, LeaseState.CANCELLED):
+                return
+            self._deadline = max(self._deadline, sent_at + self.lease_seconds - self.margin)
+            if (
+                state in (LeaseState.COMPLETING, LeaseState.COMPLETED)
+                and not self._verified
+                and self._fenced_at is not None
+                and sent_at >= self._fenced_at
+            ):
+                # Sent after the fenced success was written: had it committed, this
+                # renewal would have waited for the row lock and then been refused.
+                transitions.append(self._roll_back_locked("fenced completion did not commit"))
+            if cancel_requested and not self._cancel_seen:
+                self._cancel_seen = True
+                if self._state is LeaseState.HELD:
+                    transitions.append(self._move_locked(LeaseState.CANCEL_REQUESTED))
+                    self._interrupt_locked()
+            self._deliver_due_locked()
+        for transition in transitions:
+            self._publish(transition)
+
+    def refused(self, reason: str) -> None:
+        """The database refused to renew this lease (taken over, expired or ended)."""
+        transition = None
+        verify = False
+        with self._lock:
+            state = self._state
+            if state is LeaseState.COMPLETED:
+                verify = not self._verified
+            elif state in _DEADLINE_APPLIES:
+                transition = self._lose_locked(reason)
+            # COMPLETING: the open transaction that completes the run decides.
+        self._publish(transition)
+        if verify:
+            self._verify_completion()
+
+    def poll_deadline(self, now: float | None = None) -> float | None:
+        """Act on the local deadline at ``now``; return when to poll again (None: no need).
+
+        Past the deadline a held lease is lost; an interrupt withheld until
+        now is delivered once it is safe.
+        """
+        now = self._clock() if now is None else now
+        transition = None
+        with self._lock:
+            if self._state in _DEADLINE_APPLIES and now >= self._deadline:
+                transition = self._lose_locked(
+                    f"local deadline passed: no renewal confirmed within "
+                    f"{self.lease_seconds - self.margin:.3g}s (heartbeat stalled or "
+                    "database unreachable)"
+                )
+            else:
+                self._deliver_due_locked(now)
+            if self._state in _DEADLINE_APPLIES:
+                wake: float | None = self._deadline
+            else:
+                wake = self._interrupter.next_wake()
+        self._publish(transition)
+        return wake
+
+    # -- the body ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def uninterruptible(self) -> Iterator[None]:
+        """Withhold the interrupt inside this block; deliver it right after.
+
+        Wrap library work the body thread does on the lease's behalf (a commit,
+        a publish, a database call): an exception raised at an arbitrary
+        instruction there could break shared connection state. Outside the
+        armed body thread this does nothing.
+        """
+        interrupter = self._interrupter
+        if not interrupter.in_body_thread():
+            yield
+            return
+        with self._lock:
+            interrupter.hold()
+        try:
+            yield
+        finally:
+            with self._lock:
+                interrupter.release()
+                self._deliver_due_locked()
+
+    def run_interruptible(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call ``fn`` with this lease watched; with ``interrupt`` on, a loss raises in it.
+
+        The interrupt is :class:`LeaseInterrupt`, delivered to this thread at its
+        next Python instruction (a blocking C call such as ``time.sleep`` finishes
+        first), also when the local deadline passes while the heartbeat thread is
+        stuck. Once ``fn`` has returned or raised, no interrupt can arrive.
+        """
+        watchdog = self._watchdog = self._watchdog or process_watchdog()
+        watchdog.watch(self)
+        try:
+            if not self.interrupt:
+                return fn(*args, **kwargs)
+            with self._lock:
+                if self._state in _INTERRUPTING:
+                    raise LeaseInterrupt()
+                self._interrupter.arm()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                # An interrupt sent just as fn ended may land inside this loop: it is
+                # swallowed, and the loop repeats until this thread is disarmed.
+                while True:
+                    try:
+                        with self._lock:
+                            self._interrupter.disarm()
+                        break
+                    except LeaseInterrupt:
+                        continue
+        finally:
+            watchdog.unwatch(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Lease run_id={self.run_id!r} attempt={self.attempt} owner={self.owner!r} "
+            f"state={self._state.value}>"
+        )
+
+    # -- state changes (under the lock) ------------------------------------------
+
+    def _publish(self, transition: Transition | None) -> None:
+        if transition is not None:
+            self.events.publish(transition)
+
+    def _move_locked(self, state: LeaseState, reason: str = "") -> Transition:
+        previous, self._state = self._state, state
+        return Transition(self.run_id, self.owner, self.attempt, previous, state, reason)
+
+    def _lose_locked(self, reason: str) -> Transition:
+        self._lost = LeaseLost(self.run_id, self.owner, self.attempt, reason)
+        transition = self._move_locked(LeaseState.LOST, reason)
+        self._interrupt_locked()
+        return transition
+
+    def _roll_back_locked(self, reason: str, to: LeaseState = LeaseState.HELD) -> Transition:
+        """A success written but not committed: held again, its deadline applies again."""
+        self._fenced_at = None
+        return self._move_locked(to, reason)
+
+    def _interrupt_locked(self) -> None:
+        if self._interrupter.owe():
+            self._deliver_due_locked()
+
+    def _deliver_due_locked(self, now: float | None = None) -> None:
+        withheld = self._interrupter.deliver(self._state in _INTERRUPTING, now)
+        if withheld and self._watchdog is not None:
+            self._watchdog.nudge()  # it delivers once the quiet period ends
+
+    # -- the fenced completion -----------------------------------------------------
+
+    def _completing(self, connection: Connection) -> None:
+        """After ``fence(complete=True)``: completing until that transaction ends."""
+        with self._lock:
+            if self._state is LeaseState.LOST:
+                error = self._lost
+            else:
+                error = None
+                transition = self._move_locked(LeaseState.COMPLETING, "fenced")
+                self._fenced_at = self._clock()
+                self._verified = False
+        if error is not None:
+            # Lost while the statement ran (e.g. the deadline): roll back.
+            raise error
+        self._hook(connection)
+        self._publish(transition)
+
+    def _hook(self, connection: Connection) -> None:
+        """Follow the end of ``connection``'s transaction: commit completes, rollback holds.
+
+        SQLAlchemy calls these before the database does, so the state is right
+        before another session can see the row again. A savepoint rollback
+        counts when the savepoint was open around the fence.
+        """
+        enclosing: list[Any] = []
+        nested: Any = connection.get_nested_transaction()
+        while nested is not None:
+            enclosing.append(nested)
+            nested = getattr(nested, "_previous_nested", None)
+        ended = False
+
+        def on_commit(conn: Connection) -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._transaction_ended(committed=True)
+
+        def on_rollback(conn: Connection) -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._transaction_ended(committed=False)
+
+        def on_rollback_savepoint(conn: Connection, name: str, context: Any) -> None:
+            nonlocal ended
+            if not ended and any(getattr(t, "_savepoint", None) == name for t in enclosing):
+                ended = True
+                self._transaction_ended(committed=False)
+
+        for name, fn in (
+            ("commit", on_commit),
+            ("rollback", on_rollback),
+            ("rollback_savepoint", on_rollback_savepoint),
+        ):
+            event.listen(connection, name, fn)
+            self._hooks.append((connection, name, fn))
+
+    def _transaction_ended(self, *, committed: bool) -> None:
+        # Runs inside SQLAlchemy's commit/rollback, in the body thread: no
+        # interrupt may be raised from here, and none for a while after.
+        with self._lock:
+            if self._state is not LeaseState.COMPLETING:
+                return
+            if committed:
+                transition = self._move_locked(LeaseState.COMPLETED, "fenced transaction committed")
+            else:
+                transition = self._roll_back_locked("fenced transaction rolled back")
+                self._interrupter.quiet_for(self.heartbeat_interval)
+        self._publish(transition)
+
+    def _verify_completion(self) -> None:
+        """A renewal was refused after a fenced commit: did that commit land?"""
+        try:
+            record = self.store.get(self.run_id)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: run %s: could not verify the fenced completion: %s",
+                self.run_id,
+                type(exc).__name__,
+                extra={"lease_event": "verify_error", "run_id": self.run_id},
+            )
+            return
+        ours = (
+            record is not None
+            and record.status == "succeeded"
+            and record.lease_owner == self.owner
+            and record.attempt == self.attempt
+        )
+        with self._lock:
+            if self._state is not LeaseState.COMPLETED:
+                return
+            if ours:
+                self._verified = True
+                return
+            transition = self._lose_locked("fenced completion did not commit; renewal refused")
+        self._publish(transition)
+
+    def _detach_hooks(self) -> None:
+        # Never from a hook: SQLAlchemy's dispatch loop cannot lose a listener
+        # while it runs. Spent hooks are no-ops until removed here.
+        hooks, self._hooks = self._hooks, []
+        for connection, name, fn in hooks:
+            with contextlib.suppress(Exception):
+                event.remove(connection, name, fn)
+
+
+def _warn_no_interrupt() -> None:
+    global _warned_no_interrupt
+    if not _warned_no_interrupt:
+        _warned_no_interrupt = True
+        logger.warning(
+            "celery-lease: lease_interrupt needs CPython (this is %s): bodies are not "
+            "interrupted; call self.lease.check()",
+            platform.python_implementation(),
+            extra={"lease_event": "interrupt_disabled", "run_id": None},
+        )
