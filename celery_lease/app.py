@@ -37,6 +37,6 @@ def install(app: Celery) -> None:
         return
     # lease_metrics = True; a clear ImportError without the extra
     enable_from_app(app)
-    runtime.installed = True
+    runtime.mark_installed()
     app.steps["worker"].add(BOOTSTEP)  # it connects the signal receivers
     _add_beat_entry(app)

@@ -74,6 +74,19 @@ class AppRuntime:
         if metrics is not None:
             metrics.subscribe(self.events)
 
+    def mark_installed(self) -> None:
+        """:func:`celery_lease.install` has run for this app (until :meth:`reset`)."""
+        self.installed = True
+
+    def attach_worker(self, worker: WorkerInstance) -> bool:
+        """This process now belongs to ``worker``; True if it belonged to none before."""
+        first, self.worker = self.worker is None, worker
+        return first
+
+    def use_green_pool(self) -> None:
+        """The worker runs gevent/eventlet: bodies are never interrupted asynchronously."""
+        self.green_pool = True
+
     def forget_settings(self) -> None:
         """Read the app's and tasks' settings again on next use."""
         self.config = None

@@ -7,14 +7,7 @@ from typing import Any
 
 from celery import Celery
 
-from .requeue import (
-    MessageNotAccepted,
-    SweepReport,
-    decode_message,
-    message_expired,
-    requeue,
-    requeue_all,
-)
+from .requeue import SweepReport, requeue_all
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
 from .runtime import app_config, app_runtime, store_for
 from .schema import CANCELLED, FAILED
@@ -24,19 +17,6 @@ logger = logging.getLogger(__name__)
 
 SWEEP_TASK_NAME = "celery_lease.sweep"
 BEAT_ENTRY_NAME = "celery-lease-sweep"
-
-__all__ = [
-    "BEAT_ENTRY_NAME",
-    "SWEEP_TASK_NAME",
-    "MessageNotAccepted",
-    "SweepReport",
-    "decode_message",
-    "message_expired",
-    "register_sweep_task",
-    "requeue",
-    "requeue_all",
-    "sweep",
-]
 
 
 def sweep(
@@ -82,9 +62,9 @@ def sweep(
         stale_after = config.sweep_interval + config.lease_seconds
     requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
     if purge_limit:
-        report.purged = sweep_retention(
-            store, config.retention, purge_limit, purge_budget, events
-        ).removed
+        report.purged.update(
+            sweep_retention(store, config.retention, purge_limit, purge_budget, events).removed
+        )
     return report
 
 

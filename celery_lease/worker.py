@@ -54,10 +54,9 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
             raise SystemExit(
                 f"celery-lease: worker not started: ImproperlyConfigured: {sanitize(message)}"
             ) from None
-        runtime = app_runtime(app)
-        if runtime.worker is None:  # once per app: the receivers read the current worker
+        # Receivers are connected once per app: they read the current worker.
+        if app_runtime(app).attach_worker(WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1))):
             _connect_receivers(app)
-        runtime.worker = WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1))
         register_sweep_task(app)
         super().__init__(parent, **kwargs)
 
@@ -93,7 +92,7 @@ def _check_worker_startup(app: Celery, pool: Any) -> None:
                 "lease_interrupt=True cannot work on the gevent/eventlet pools (green "
                 "threads share one OS thread); unset it and call self.lease.check()"
             )
-        app_runtime(app).green_pool = True
+        app_runtime(app).use_green_pool()
         logger.info(
             "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
             "self.lease.check()",
