@@ -46,7 +46,7 @@ def make_app(env: dict[str, str]) -> Celery:
         folder = env["BENCH_FS_DIR"]
         # Every set-up (plain, leased, celery-once) uses the same atomic-publish
         # transport, so the comparison stays like for like.
-        conf["broker_transport"] = "celery_lease.fs_transport:Transport"
+        conf["broker_transport"] = "celery_lease.contrib.fs_transport:Transport"
         conf["broker_transport_options"] = {
             "data_folder_in": folder,
             "data_folder_out": folder,

@@ -397,63 +397,33 @@ def section(body: str, results: list[dict[str, Any]], command: str, settings: st
     """The page section, between the markers ``run_all`` keeps."""
     parts = [
         BEGIN,
-        "## Retention",
+        "## Appendix: retention at a million rows",
         "",
-        "Measured apart from the rest of this page (it loads a million rows), with:",
+        "Measured apart (it loads a million rows), with:",
         "",
         "```bash",
         command,
         "```",
         "",
-        f"On {datetime.date.today().isoformat()}, the same shared machine. PostgreSQL: "
-        f"{settings}. SQLite: the lease store's own settings (`journal_mode = WAL`, "
-        "`synchronous = NORMAL`), no `ANALYZE`. What each row measures is in "
-        "`benchmarks/retention.py`'s docstring: sweeps and `stats` are medians of 3 to 5 "
-        "calls. Claim latency: another process purges, first with `--no-throttle` (rows "
-        "older than 10.5 days), then as `celery lease purge` does by default (the rest of "
-        "the due rows; it pauses after each batch as long as the batch took); blocks of "
-        "100 claims alternate between the purge running and the purge paused between two "
-        "batches (*idle*), so the machine's other load falls on both alike.",
+        f"On {datetime.date.today().isoformat()}, the same machine. PostgreSQL: "
+        f"{settings}. What each row measures is in `benchmarks/retention.py`'s "
+        "docstring. Claim latency is measured in blocks of 100 claims alternating "
+        "between another process purging and that purge paused (*idle*).",
         "",
         *verdicts(results),
         "",
         body.split("\n### Plans", 1)[0].rstrip(),
         "",
-        "*Sweep facing a backlog*: the sweep deletes batches, each its own transaction, "
-        "until the next one would end past its 25 ms deleting budget (judged by the batch "
-        "before) or it has deleted 10,000 rows, so its time stays bounded whatever the "
-        "backlog; *rows deleted by that sweep* is what it managed. The rest waits for the "
-        "next sweep: at the default 60 s interval a sweep keeps up with a few thousand "
-        "finished runs a minute. Faster deployments: shorten `lease_sweep_interval` or run "
-        "`celery lease purge` from cron. "
-        "`--no-throttle` can cost PostgreSQL claims more than 2x (p50) on this busy 2-core "
-        "machine (3.5x in an earlier run the same day), which is why `celery lease purge` "
-        "throttles by default. `lease stats` counts every "
-        "row per status from the status index (an index-only scan, not the table): about "
-        "70 to 120 ms per million rows, which retention is what bounds; its other statements "
-        "read live rows and recent failures only.",
+        "A sweep deletes batches until its 25 ms budget or 10,000 rows, so its time "
+        "stays bounded whatever the backlog; the rest waits for the next sweep. Faster "
+        "deployments shorten `lease_sweep_interval` or run `celery lease purge` from "
+        "cron. `--no-throttle` can cost PostgreSQL claims more than 2x, which is why "
+        "`celery lease purge` throttles by default. The script prints the query plans "
+        "of every statement a sweep, a purge and `lease stats` send.",
         "",
-        "Plans of the statements one sweep, one purge batch, a dry-run count and `lease "
-        "stats` send, as the store sends them (PostgreSQL `EXPLAIN (ANALYZE, BUFFERS)` "
-        "rolled back, SQLite `EXPLAIN QUERY PLAN`; the column list of `SELECT *` shortened):",
-        "",
-        _short("### Plans" + body.split("\n### Plans", 1)[1]) if "\n### Plans" in body else "",
         END,
     ]
     return "\n".join(parts)
-
-
-ALL_COLUMNS = re.compile(
-    r"SELECT celery_lease_runs\.id, (?:celery_lease_runs\.\w+, )+"
-    r"celery_lease_runs\.updated_at FROM"
-)
-
-
-def _short(text_: str) -> str:
-    """Plans with ``SELECT <every column>`` written ``SELECT celery_lease_runs.*``."""
-    return ALL_COLUMNS.sub("SELECT celery_lease_runs.* FROM", text_).replace(
-        "### Plans on", "#### Plans on"
-    )
 
 
 def write_section(text_: str) -> None:
@@ -463,8 +433,11 @@ def write_section(text_: str) -> None:
     if old:
         page = page.replace(old, text_)
     else:
-        anchor = "## What limits the figures"
-        page = page.replace(anchor, text_ + "\n\n" + anchor, 1)
+        anchor = "<!-- cpu:begin -->"  # the appendix: before the CPU accounting, or last
+        if anchor in page:
+            page = page.replace(anchor, text_ + "\n\n" + anchor, 1)
+        else:
+            page = page.rstrip() + "\n\n" + text_ + "\n"
     DOC.write_text(page)
 
 

@@ -54,7 +54,7 @@ class Cluster:
             self.producer.conf.control_exchange = f"{self.queue}.ctl"
         if "CL_FS_DIR" in broker_env:
             folder = broker_env["CL_FS_DIR"]
-            self.producer.conf.broker_transport = "celery_lease.fs_transport:Transport"
+            self.producer.conf.broker_transport = "celery_lease.contrib.fs_transport:Transport"
             self.producer.conf.broker_transport_options = {
                 "data_folder_in": folder,
                 "data_folder_out": folder,

@@ -135,7 +135,7 @@ class Site:
     def send(self, number: str) -> str:
         """Publish ``place_order(number)`` on the site's broker; the task id."""
         client = Celery("client", broker="filesystem://")
-        client.conf.broker_transport = "celery_lease.fs_transport:Transport"
+        client.conf.broker_transport = "celery_lease.contrib.fs_transport:Transport"
         client.conf.broker_transport_options = {
             "data_folder_in": str(self.folder),
             "data_folder_out": str(self.folder),

@@ -1,15 +1,19 @@
-"""The docs against the code: every log event the package emits is in the operations table."""
+"""The docs against the code: the log events, CLI commands and settings they list, and the
+testing and Django pages run as written (the quickstart: tests/test_quickstart.py)."""
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from celery_lease import events
-from tests.helpers import REPO
+from tests.docpages import Page, argv, reader_env, run, write_files
+from tests.helpers import REPO, Worker, wait_for
 
 PACKAGE = REPO / "celery_lease"
 OPERATIONS = REPO / "docs" / "operations.md"
@@ -79,3 +83,146 @@ def test_every_emitted_lease_event_is_in_the_operations_table() -> None:
     missing = {name: sorted(where) for name, where in found.items() if name not in documented}
     assert not missing, f"add these lease_event rows to docs/operations.md: {missing}"
     assert documented <= set(found), f"documented but never emitted: {documented - set(found)}"
+
+
+# -- the CLI commands and the settings the docs list --------------------------------
+
+
+def lease_commands() -> set[str]:
+    """The subcommands of the real ``celery lease`` group."""
+    from celery_lease.cli import lease
+
+    return set(lease.commands)
+
+
+@pytest.mark.timeout(30)
+def test_every_page_lists_the_real_cli_commands() -> None:
+    """The index's command list, the operations page's synopsis and its table each name
+    exactly the commands of the ``lease`` click group."""
+    real = lease_commands()
+    assert len(real) >= 9, real
+    index = (REPO / "docs" / "index.md").read_text()
+    (listed,) = re.findall(r"`celery lease ([a-z|]+)`", index)
+    assert set(listed.split("|")) == real
+    operations = OPERATIONS.read_text()
+    assert set(re.findall(r"^celery -A proj lease ([a-z]+)", operations, re.MULTILINE)) == real
+    table = operations.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"^\| `([a-z]+)", table, re.MULTILINE)) == real
+
+
+@pytest.mark.timeout(30)
+def test_settings_reference_table_lists_every_setting() -> None:
+    """The reference table of docs/settings.md has one row per key the package reads:
+    every per-task setting (``SETTING_NAMES``) and the app-level ones."""
+    from celery_lease.config import APP_SETTING_NAMES, SETTING_NAMES
+
+    page = (REPO / "docs" / "settings.md").read_text()
+    table = page.split("| key | default | validation | notes |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(lease_[a-z_]+)` \|", table, re.MULTILINE)
+    assert len(rows) == len(set(rows)), rows
+    assert set(SETTING_NAMES) <= set(rows)
+    assert set(rows) == set(APP_SETTING_NAMES)
+
+
+# -- the testing and Django pages, run as written ---------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_testing_page_runs_under_pytest_on_the_quickstart_tasks(tmp_path: Path) -> None:
+    """docs/testing.md's conftest and tests, pasted next to the quickstart's tasks.py,
+    pass under pytest: each test the page shows runs and passes."""
+    files = Page("testing.md").files()
+    write_files({"tasks.py": Page("quickstart.md").files()["tasks.py"], **files}, tmp_path)
+    shown = sum(code.count("\ndef test_") for code in files.values())
+    assert shown >= 4, files.keys()
+    out = run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q"],
+        tmp_path,
+        reader_env(),
+        timeout=100,
+    )
+    assert f"{shown} passed" in out, out
+
+
+DJANGO_BASE = """\
+BASE_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent
+SECRET_KEY = "docs-test"
+INSTALLED_APPS = ["django.contrib.contenttypes", "orders"]
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+"""
+
+#: What a reader on one machine changes after pasting the page: a SQLite file and the
+#: filesystem broker instead of the page's PostgreSQL and Redis hosts.
+DJANGO_LOCAL = """
+
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": BASE_DIR / "db.sqlite3"}}
+CELERY_LEASE_DATABASE_URL = lease_database_url(DATABASES["default"])
+CELERY_BROKER_URL = "filesystem://"
+CELERY_BROKER_TRANSPORT = "celery_lease.contrib.fs_transport:Transport"
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "data_folder_in": str(BASE_DIR / "broker"),
+    "data_folder_out": str(BASE_DIR / "broker"),
+    "control_folder": str(BASE_DIR / "broker" / "control"),
+}
+"""
+
+MANAGE_PY = """\
+import os
+import sys
+
+from django.core.management import execute_from_command_line
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+execute_from_command_line(sys.argv)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_django_page_runs_under_a_real_worker(tmp_path: Path) -> None:
+    """docs/django.md's files make a project whose commands work as written: migrate,
+    lease migrate, a worker and beat; place_order writes its row once under
+    fenced_atomic, with the run id the page gives, and a duplicate is dropped."""
+    pytest.importorskip("django")
+    page = Page("django.md")
+    files = page.files()
+    assert set(files) >= {"proj/celery.py", "proj/__init__.py", "proj/settings.py"}
+    settings = DJANGO_BASE + files.pop("proj/settings.py") + DJANGO_LOCAL
+    (tmp_path / "broker" / "control").mkdir(parents=True)
+    write_files(
+        {**files, "proj/settings.py": settings, "orders/__init__.py": "", "manage.py": MANAGE_PY},
+        tmp_path,
+    )
+    env = reader_env(DB_PASSWORD="not-used-on-sqlite")
+    cmds = page.commands()
+    run([sys.executable, "manage.py", "makemigrations", "orders"], tmp_path, env)
+    for command in cmds:
+        if command[:2] == ["python", "manage.py"] or command[3:4] == ["lease"]:
+            run(argv(command), tmp_path, env)
+    (worker_cmd,) = [c for c in cmds if c[3:4] == ["worker"]]
+    (beat_cmd,) = [c for c in cmds if c[3:4] == ["beat"]]
+    (run_id,) = re.findall(r"`(orders\.tasks\.place_order:A-17)`", page.text)
+    send = "from orders.tasks import place_order; place_order.delay('A-17')"
+
+    def start(name: str, command: list[str]) -> Worker:
+        log = tmp_path / f"{name}.log"
+        return Worker(env, log, name=name, app="proj", command=command[3:], cwd=tmp_path)
+
+    beat = start("beat", beat_cmd)
+    worker = start("worker", worker_cmd).wait_ready(60)
+    try:
+        run([sys.executable, "manage.py", "shell", "-c", send], tmp_path, env)
+        wait_for(lambda: f"{run_id} attempt 1: completing -> completed" in worker.log(), 30)
+        run([sys.executable, "manage.py", "shell", "-c", send], tmp_path, env)
+        wait_for(lambda: f"run {run_id} is already succeeded" in worker.log(), 30)
+    finally:
+        worker.stop()
+        beat.stop()
+    shown = run(argv(["celery", "-A", "proj", "lease", "show", run_id]), tmp_path, env)
+    assert "succeeded" in shown, shown
+    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite3'}")
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT number, attempt FROM orders_order")).all()
+    engine.dispose()
+    assert rows == [("A-17", 1)]

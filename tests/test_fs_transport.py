@@ -1,4 +1,4 @@
-"""celery_lease.fs_transport: a consumer polling mid-publish never takes a partial file."""
+"""celery_lease.contrib.fs_transport: a consumer polling mid-publish never takes a partial file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from kombu import Connection
 from kombu.exceptions import ChannelError
 
-from celery_lease.fs_transport import Transport
+from celery_lease.contrib.fs_transport import Transport
 
 
 @pytest.mark.timeout(30)

@@ -77,7 +77,7 @@ if os.environ.get("CL_CONF"):
 if os.environ.get("CL_FS_DIR"):
     folder = os.environ["CL_FS_DIR"]
     # kombu's own transport can hand a consumer a half-written message file.
-    app.conf.broker_transport = "celery_lease.fs_transport:Transport"
+    app.conf.broker_transport = "celery_lease.contrib.fs_transport:Transport"
     app.conf.broker_transport_options = {
         "data_folder_in": folder,
         "data_folder_out": folder,

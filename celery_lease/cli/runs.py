@@ -195,10 +195,11 @@ def rerun(
 ) -> None:
     """Run a failed or cancelled run again: back to queued, with fresh attempts.
 
-    A finished run keeps no task arguments (they are cleared when it ends), so
-    the run is published again only with --args/--kwargs (checked against a
-    keyed task's lease_key); without them it waits, queued, for the caller to
-    send the task again with the same key (or task id).
+    The run is published again from the message stored in its row, under its
+    own task id. With --args/--kwargs it is published with those arguments
+    instead (checked against a keyed task's lease_key). A run with no stored
+    message (a succeeded run, with --force) waits, queued, until the task is
+    sent again with the same key (or task id).
     """
     from ..requeue import requeue
     from ..task import LeasedTask

@@ -28,7 +28,7 @@ DATABASES = {
 # Celery, read by app.config_from_object("django.conf:settings", namespace="CELERY").
 CELERY_BROKER_URL = "filesystem://"
 # Whole-file publishes for the filesystem broker (kombu's own can lose a message).
-CELERY_BROKER_TRANSPORT = "celery_lease.fs_transport:Transport"
+CELERY_BROKER_TRANSPORT = "celery_lease.contrib.fs_transport:Transport"
 _folder = os.environ.get("DJ_FS_DIR", str(BASE_DIR / "broker"))
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "data_folder_in": _folder,
