@@ -133,7 +133,7 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
     while True:
         try:
             store = runtime_for(app, config).store
-            present = store.dialect == "sqlite" or store.has_schema()
+            present = store.has_schema()  # runtime_for prepared an embedded one
             break
         except ImportError as exc:
             extra = database_for(backend).driver_extra or backend
