@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from sqlalchemy import exc as sa_exc
 
 from .errors import LeaseDatabaseError
-from .store.databases import Classification, backend_of, database_for
+from .store.database import Classification
+from .store.databases import backend_of, database_for
 
 
 def classify(exc: BaseException, dialect: str) -> Classification:

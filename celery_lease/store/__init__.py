@@ -13,11 +13,10 @@ from ..errors import RunNotFound as RunNotFound
 from ..errors import RunNotRerunnable as RunNotRerunnable
 from .bounds import DEFAULT_BOUNDS as DEFAULT_BOUNDS
 from .bounds import WaitBounds as WaitBounds
-from .databases import PSYCOPG_PREPARE_THRESHOLD as PSYCOPG_PREPARE_THRESHOLD
-from .databases import SQLITE_AUTOCOMMIT as SQLITE_AUTOCOMMIT
 from .databases import create_lease_engine as create_lease_engine
 from .driver import DriverStatement as DriverStatement
 from .leasestore import LeaseStore as LeaseStore
+from .postgresql import PSYCOPG_PREPARE_THRESHOLD as PSYCOPG_PREPARE_THRESHOLD
 from .records import CLAIM_CONTENTION_TRIES as CLAIM_CONTENTION_TRIES
 from .records import PURGE_BATCH as PURGE_BATCH
 from .records import Activity as Activity
@@ -26,3 +25,4 @@ from .records import ClaimResult as ClaimResult
 from .records import HeartbeatResult as HeartbeatResult
 from .records import LeaseKey as LeaseKey
 from .records import RunRecord as RunRecord
+from .sqlite import SQLITE_AUTOCOMMIT as SQLITE_AUTOCOMMIT

@@ -47,7 +47,8 @@ from ..schema import (
     runs,
 )
 from .bounds import DEFAULT_BOUNDS, WaitBounds
-from .databases import CLAIM_CONTENTION, backend_of, create_schema, database_for
+from .database import CLAIM_CONTENTION, create_schema
+from .databases import backend_of, database_for
 from .driver import DriverStatement
 from .records import (
     _CLEARED_MESSAGE,
