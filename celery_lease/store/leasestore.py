@@ -212,7 +212,7 @@ class LeaseStore:
             reason = f"{action}: run is {row.status}"
         return LeaseLost(run_id, owner, attempt, reason)
 
-    # ==== claim
+    # -- claiming a run --------------------------------------------------------
 
     @_db_errors
     def claim(
@@ -309,10 +309,10 @@ class LeaseStore:
     ) -> ClaimResult | tuple[int, int, int] | None:
         """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
 
-        The count and the claim run in one transaction, under the dialect's
-        key lock (:class:`_KeyLock`): PostgreSQL a transaction-scoped advisory
-        try-lock, SQLite the write lock of ``BEGIN IMMEDIATE``, MySQL the count
-        as a locking read.
+        The count and the claim run in one transaction, under the database's
+        key lock (``Database.lock_key`` and ``count_live``): PostgreSQL a
+        transaction-scoped advisory try-lock, SQLite the write lock of ``BEGIN
+        IMMEDIATE``, MySQL the count as a locking read.
         """
         key = values["concurrency_key"]
         now = db_now_ms()
