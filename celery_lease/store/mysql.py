@@ -26,20 +26,6 @@ class MySQL(Database):
     The bounds are session settings and PyMySQL socket timeouts.
     """
 
-    def __init__(self) -> None:
-        super().__init__(
-            names=("mysql", "mariadb"),
-            driver_extra="mysql",
-            # UTC_TIMESTAMP, not NOW(): UNIX_TIMESTAMP(NOW()) converts through the
-            # session time zone, which under daylight saving repeats an hour (the
-            # clock runs an hour behind, then jumps). Both operands are DATETIMEs,
-            # so no time zone is applied at all.
-            clock_sql=(
-                "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
-                " AS SIGNED)"
-            ),
-        )
-
     #: The server's (or the client's) error number, ``args[0]``.
     codes: ClassVar[dict[int, Classification]] = {
         1213: transient("deadlock"),
@@ -80,6 +66,20 @@ class MySQL(Database):
         1792: permanent("read_only"),
         1290: permanent("read_only"),
     }
+
+    def __init__(self) -> None:
+        super().__init__(
+            names=("mysql", "mariadb"),
+            driver_extra="mysql",
+            # UTC_TIMESTAMP, not NOW(): UNIX_TIMESTAMP(NOW()) converts through the
+            # session time zone, which under daylight saving repeats an hour (the
+            # clock runs an hour behind, then jumps). Both operands are DATETIMEs,
+            # so no time zone is applied at all.
+            clock_sql=(
+                "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
+                " AS SIGNED)"
+            ),
+        )
 
     def create_engine(self, url: str, bounds: WaitBounds, **kwargs: Any) -> Engine:
         """Session lock-wait and statement bounds on every connection; with PyMySQL, socket

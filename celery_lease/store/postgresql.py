@@ -42,15 +42,6 @@ PSYCOPG_PREPARE_THRESHOLD = 5
 class PostgreSQL(Database):
     """PostgreSQL: upserts, advisory key locks, ``SKIP LOCKED``, bounds that survive a pooler."""
 
-    def __init__(self) -> None:
-        super().__init__(
-            names=("postgresql",),
-            driver_extra="postgres",
-            # clock_timestamp(), not now(): now() is frozen at transaction start, which
-            # would make a fence inside a long user transaction read a stale clock.
-            clock_sql="CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)",
-        )
-
     codes: ClassVar[dict[str, Classification]] = {
         "40001": transient("serialization_failure"),
         "40P01": transient("deadlock"),
@@ -93,6 +84,15 @@ class PostgreSQL(Database):
         ("failed to resolve host", transient("unknown_host")),
         ("could not translate host name", transient("unknown_host")),
     )
+
+    def __init__(self) -> None:
+        super().__init__(
+            names=("postgresql",),
+            driver_extra="postgres",
+            # clock_timestamp(), not now(): now() is frozen at transaction start, which
+            # would make a fence inside a long user transaction read a stale clock.
+            clock_sql="CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)",
+        )
 
     def create_engine(self, url: str, bounds: WaitBounds, **kwargs: Any) -> Engine:
         """An engine whose every wait is bounded, behind a transaction pooler or not.

@@ -27,17 +27,6 @@ from .records import _CLEARED_MESSAGE
 #: Builds a dialect's ``INSERT`` construct for a table (see ``Database.insert``).
 InsertBuilder = Callable[[Table], Any]
 
-#: The claim upsert's bind parameters, by claim value (see :func:`claim_params`).
-_CLAIM_BINDS = {
-    "id": "p_id",
-    "task_name": "p_task_name",
-    "lease_owner": "p_owner",
-    "concurrency_key": "p_concurrency_key",
-    "task_id": "p_task_id",
-    "payload": "p_payload",
-    "payload_content_type": "p_payload_content_type",
-}
-
 
 def ended_values(now: Any, status: str, failure_code: str, error: str | None) -> dict[str, Any]:
     """The values that end a run in ``status``, with its failure, at ``now``.
@@ -174,10 +163,17 @@ def claim_upsert(insert: InsertBuilder) -> Any:
 
 def claim_params(values: dict[str, Any], lease_ms: int, max_attempts: int) -> dict[str, Any]:
     """The bind parameters of :func:`claim_upsert` for the claim ``values``."""
-    params = {bind: values[name] for name, bind in _CLAIM_BINDS.items()}
-    params["p_lease_ms"] = lease_ms
-    params["p_max_attempts"] = max_attempts
-    return params
+    return {
+        "p_id": values["id"],
+        "p_task_name": values["task_name"],
+        "p_owner": values["lease_owner"],
+        "p_lease_ms": lease_ms,
+        "p_max_attempts": max_attempts,
+        "p_concurrency_key": values["concurrency_key"],
+        "p_task_id": values["task_id"],
+        "p_payload": values["payload"],
+        "p_payload_content_type": values["payload_content_type"],
+    }
 
 
 def complete_by_binds() -> Any:

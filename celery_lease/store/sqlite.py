@@ -40,14 +40,6 @@ class SQLite(Database):
     commits by itself outside ``BEGIN``. The busy timeout bounds every wait.
     """
 
-    def __init__(self) -> None:
-        super().__init__(
-            names=("sqlite",),
-            driver_extra="sqlite",
-            # julianday('now') carries milliseconds and is fixed for one statement.
-            clock_sql="CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)",
-        )
-
     extended: ClassVar[dict[int, Classification]] = {
         1555: permanent("duplicate_key"),  # SQLITE_CONSTRAINT_PRIMARYKEY
         2067: permanent("duplicate_key"),  # SQLITE_CONSTRAINT_UNIQUE
@@ -78,6 +70,14 @@ class SQLite(Database):
         ("unable to open database", permanent("cannot_open")),
         ("readonly database", permanent("read_only")),
     )
+
+    def __init__(self) -> None:
+        super().__init__(
+            names=("sqlite",),
+            driver_extra="sqlite",
+            # julianday('now') carries milliseconds and is fixed for one statement.
+            clock_sql="CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)",
+        )
 
     def open(self, url: str, bounds: WaitBounds, **kwargs: Any) -> tuple[Engine, Engine | None]:
         """One engine: single statements share its pool (see :meth:`single_statements`)."""
