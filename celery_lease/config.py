@@ -21,9 +21,10 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from .store.databases import DATABASES
+
 BUSY_POLICIES = ("retry", "skip", "fail")
 LOST_POLICIES = ("retry", "abort")
-SUPPORTED_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb")
 
 DEFAULT_SQLITE_FILE = "celery-lease.sqlite3"
 
@@ -327,7 +328,7 @@ def _database_url(value: Any) -> str:
             "postgresql+psycopg://user@host/db; percent-encode @ : / in a password)"
         ) from exc
     backend = url.get_backend_name()
-    if backend not in SUPPORTED_DIALECTS:
+    if backend not in DATABASES:
         raise ImproperlyConfigured(
             f"lease_database_url uses {backend!r}; supported: sqlite, postgresql, mysql"
         )

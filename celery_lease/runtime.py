@@ -20,6 +20,7 @@ import weakref
 from typing import Protocol
 
 from celery import Celery
+from celery.exceptions import ImproperlyConfigured
 
 from .config import LeaseConfig
 from .events import EventBus
@@ -143,9 +144,12 @@ class Runtime:
 def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
     """This process's store and heartbeat for ``config.database_url``.
 
-    Created on first use and kept in the app's :class:`AppRuntime`. In a forked child the parent's
-    pooled connections are dropped without closing them (they belong to the
-    parent) and a fresh heartbeat is made, since threads do not survive a fork.
+    Created on first use and kept in the app's :class:`AppRuntime`. The store's
+    wait bounds and the heartbeat's interval are those of the shortest lease
+    among the app's tasks that use this database (:func:`database_settings`),
+    whichever task uses it first. In a forked child the parent's pooled
+    connections are dropped without closing them (they belong to the parent)
+    and a fresh heartbeat is made, since threads do not survive a fork.
     """
     pid = os.getpid()
     app_state = app_runtime(app)
@@ -153,6 +157,7 @@ def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
     runtime = registry.get(config.database_url)
     if runtime is not None and runtime.pid == pid:
         return runtime
+    lease_seconds, heartbeat_interval = database_settings(app, config)
     with _runtime_lock:
         runtime = registry.get(config.database_url)
         if runtime is not None and runtime.pid == pid:
@@ -161,14 +166,42 @@ def runtime_for(app: Celery, config: LeaseConfig) -> Runtime:
             runtime.store.dispose_after_fork()
             store = runtime.store
         else:
-            store = LeaseStore.from_url(config.database_url, lease_seconds=config.lease_seconds)
-            if store.dialect == "sqlite":
-                store.create_schema()  # the embedded default needs no migrate step
+            store = LeaseStore.from_url(config.database_url, lease_seconds=lease_seconds)
+            store.prepare()  # SQLite, the embedded default, needs no migrate step
         events = app_state.events
-        heartbeat = Heartbeat(store, config.heartbeat_interval, events=events)
+        heartbeat = Heartbeat(store, heartbeat_interval, events=events)
         runtime = Runtime(store, heartbeat, pid, events)
         registry[config.database_url] = runtime
         return runtime
+
+
+def database_settings(app: Celery, config: LeaseConfig) -> tuple[float, float]:
+    """The shortest ``lease_seconds`` and heartbeat interval among ``config`` and the
+    settings of every task of ``app`` that uses ``config.database_url``.
+
+    One store and one heartbeat serve every task on a database, so both must keep
+    the promise of the shortest lease: a renewal never waits past a third of it.
+    A task whose settings are invalid is left out (the worker refuses it at start).
+    """
+    configs = [config]
+    try:
+        tasks = list(app.tasks.values())
+    except RuntimeError:  # an app that must not finalize yet: its tasks are not known
+        tasks = []
+    for task in tasks:
+        settings = getattr(task, "lease_config", None)  # LeasedTask's public method
+        if not callable(settings):
+            continue
+        try:
+            found = settings()
+        except ImproperlyConfigured:
+            continue
+        if isinstance(found, LeaseConfig) and found.database_url == config.database_url:
+            configs.append(found)
+    return (
+        min(each.lease_seconds for each in configs),
+        min(each.heartbeat_interval for each in configs),
+    )
 
 
 def store_for(app: Celery) -> LeaseStore:

@@ -8,8 +8,6 @@ the same way on every dialect and keep millisecond resolution on SQLite, whose
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -22,8 +20,6 @@ from sqlalchemy import (
     Text,
 )
 from sqlalchemy.dialects import mysql
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.expression import FunctionElement
 
 from .errors import LeaseInputError
@@ -91,38 +87,13 @@ runs = Table(
 class db_now_ms(FunctionElement[int]):
     """The database server's clock in epoch milliseconds, as a SQL expression.
 
-    Compiled per dialect (sqlite, postgresql, mysql). There is deliberately no
+    Each database's class in :mod:`celery_lease.store.databases` gives its SQL
+    (``clock_sql``) and compiles it for its dialect names. There is deliberately no
     default compilation, so an unsupported database fails loudly at compile time.
     """
 
     type = BigInteger()
     inherit_cache = True
-
-
-@compiles(db_now_ms, "sqlite")
-def _sqlite_now(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str:
-    # julianday('now') carries milliseconds and is fixed for one statement.
-    return "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
-
-
-@compiles(db_now_ms, "postgresql")
-def _postgresql_now(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str:
-    # clock_timestamp(), not now(): now() is frozen at transaction start, which
-    # would make a fence inside a long user transaction read a stale clock.
-    return "CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)"
-
-
-@compiles(db_now_ms, "mysql")
-@compiles(db_now_ms, "mariadb")
-def _mysql_now(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str:
-    # UTC_TIMESTAMP, not NOW(): UNIX_TIMESTAMP(NOW()) converts through the
-    # session time zone, which under daylight saving repeats an hour (the
-    # clock runs an hour behind, then jumps). Both operands are DATETIMEs,
-    # so no time zone is applied at all.
-    return (
-        "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
-        " AS SIGNED)"
-    )
 
 
 def check_run_id(run_id: object, field: str = "run_id") -> str:

@@ -28,6 +28,7 @@ from .requeue import SweepReport, requeue_all
 from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import RunNotFound
+from .store.databases import database_for
 from .sweeper import register_sweep_task
 from .task import LeasedTask
 
@@ -63,9 +64,6 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
 
 #: How long a worker retries an unreachable lease database at start-up.
 STARTUP_RETRY_SECONDS = 4.0
-
-#: Extra to install for each dialect's driver.
-DRIVER_EXTRAS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql"}
 
 
 def _check_worker_startup(app: Celery, pool: Any) -> None:
@@ -134,10 +132,10 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
     while True:
         try:
             store = runtime_for(app, config).store
-            present = store.dialect == "sqlite" or store.has_schema()
+            present = store.has_schema()  # runtime_for prepared an embedded one
             break
         except ImportError as exc:
-            extra = DRIVER_EXTRAS.get(backend, backend)
+            extra = database_for(backend).driver_extra or backend
             raise ImproperlyConfigured(
                 f"lease_database_url ({shown}) needs a database driver that is not "
                 f"installed ({describe_exception(exc, 200)}): pip install "

@@ -91,7 +91,7 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
 
     url = _database_url(ctx)
     shown = safe_url(url)
-    with dberrors.translated(dberrors.backend_of(url)):
+    with dberrors.translated(url):
         result = upgrade(url, revision, lock_timeout=lock_timeout)
     if result.adopted:
         click.echo(

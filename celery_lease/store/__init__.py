@@ -1,55 +1,28 @@
-"""Every SQL statement celery-lease runs.
+"""Every SQL statement celery-lease runs, and what differs per database.
 
-One method per statement (or per short transaction), each documented with what
-it guarantees. Guarded writes name ``id``, ``lease_owner`` and ``attempt`` and
-turn zero changed rows into :class:`~celery_lease.errors.LeaseLost`. Every time
-comparison uses :class:`~celery_lease.schema.db_now_ms`, the database clock.
-
-:class:`LeaseStore` (``facade``) sets up the engines and is composed of parts:
-``statements`` (the claim's SQL, built once), ``claim`` and ``refusal`` (claiming
-a run), ``outcomes`` (heartbeat, fence, guarded ends), ``recovery`` (sweep,
-kept deliveries, shutdown hand-back), ``admin`` (cancel, retention, operator
-reads), over ``dialects`` (what differs per database), ``driver`` (the hot
-path's executor) and ``engine`` (bounded engines).
+:class:`~celery_lease.store.leasestore.LeaseStore` has one method per operation
+(``leasestore``); the SQL every database shares is built by plain functions
+(``sql``); each database (SQLite, PostgreSQL, MySQL/MariaDB) is one class that
+owns what differs: engines and wait bounds, error classification, the clock,
+upserts, locks, the claim and retention (``databases``). ``bounds`` holds
+:class:`WaitBounds`, ``driver`` the hot path's executor, ``records`` the values
+the store returns.
 """
 
-from ..errors import RunNotFound, RunNotRerunnable
-from .driver import DriverStatement
-from .engine import (
-    DEFAULT_BOUNDS,
-    PSYCOPG_PREPARE_THRESHOLD,
-    SQLITE_AUTOCOMMIT,
-    WaitBounds,
-    create_lease_engine,
-)
-from .facade import LeaseStore
-from .records import (
-    CLAIM_CONTENTION_TRIES,
-    PURGE_BATCH,
-    Activity,
-    ClaimOutcome,
-    ClaimResult,
-    HeartbeatResult,
-    LeaseKey,
-    RunRecord,
-)
-
-__all__ = [
-    "CLAIM_CONTENTION_TRIES",
-    "DEFAULT_BOUNDS",
-    "PSYCOPG_PREPARE_THRESHOLD",
-    "PURGE_BATCH",
-    "SQLITE_AUTOCOMMIT",
-    "Activity",
-    "ClaimOutcome",
-    "ClaimResult",
-    "DriverStatement",
-    "HeartbeatResult",
-    "LeaseKey",
-    "LeaseStore",
-    "RunNotFound",
-    "RunNotRerunnable",
-    "RunRecord",
-    "WaitBounds",
-    "create_lease_engine",
-]
+from ..errors import RunNotFound as RunNotFound
+from ..errors import RunNotRerunnable as RunNotRerunnable
+from .bounds import DEFAULT_BOUNDS as DEFAULT_BOUNDS
+from .bounds import WaitBounds as WaitBounds
+from .databases import create_lease_engine as create_lease_engine
+from .driver import DriverStatement as DriverStatement
+from .leasestore import LeaseStore as LeaseStore
+from .postgresql import PSYCOPG_PREPARE_THRESHOLD as PSYCOPG_PREPARE_THRESHOLD
+from .records import CLAIM_CONTENTION_TRIES as CLAIM_CONTENTION_TRIES
+from .records import PURGE_BATCH as PURGE_BATCH
+from .records import Activity as Activity
+from .records import ClaimOutcome as ClaimOutcome
+from .records import ClaimResult as ClaimResult
+from .records import HeartbeatResult as HeartbeatResult
+from .records import LeaseKey as LeaseKey
+from .records import RunRecord as RunRecord
+from .sqlite import SQLITE_AUTOCOMMIT as SQLITE_AUTOCOMMIT

@@ -1,0 +1,1194 @@
+"""The lease store: :class:`LeaseStore`, one method per operation on the runs table.
+
+Each method runs one statement (or one short transaction) and says in its
+docstring what it guarantees. Guarded writes name ``id``, ``lease_owner`` and
+``attempt`` and turn zero changed rows into :class:`~celery_lease.errors.LeaseLost`.
+Every time comparison uses :class:`~celery_lease.schema.db_now_ms`, the database
+clock. What differs between databases is asked of the store's database object
+(:mod:`celery_lease.store.databases`); the SQL shared by all of them is built by
+the functions of :mod:`celery_lease.store.sql`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    case,
+    func,
+    inspect,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from .. import schema
+from ..errors import LeaseLost, RunNotFound, RunNotRerunnable
+from ..schema import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL_STATUSES,
+    check_claim_inputs,
+    db_now_ms,
+    runs,
+)
+from .bounds import DEFAULT_BOUNDS, WaitBounds
+from .database import CLAIM_CONTENTION, create_schema
+from .databases import backend_of, database_for
+from .driver import DriverStatement
+from .records import (
+    _CLEARED_MESSAGE,
+    CLAIM_CONTENTION_TRIES,
+    PURGE_BATCH,
+    Activity,
+    ClaimResult,
+    HeartbeatResult,
+    LeaseKey,
+    RunRecord,
+)
+from .sql import complete_by_binds, ended_values, guarded, purgeable, success_values
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _db_errors(method: F) -> F:
+    """Raise SQLAlchemy and driver errors of a store method as :class:`LeaseDatabaseError`.
+
+    Classified by the store's database object (transient or permanent, and the
+    cause); the driver's exception is kept as ``__cause__``.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: LeaseStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except SQLAlchemyError as exc:
+            raise self.database.wrap(exc, self.dialect) from exc
+
+    return cast(F, wrapper)
+
+
+class LeaseStore:
+    """All lease SQL, over one SQLAlchemy engine.
+
+    Single statements run in autocommit mode (one round trip each); the few
+    read-then-write paths run in one short transaction.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        autocommit_engine: Engine | None = None,
+        bounds: WaitBounds = DEFAULT_BOUNDS,
+    ) -> None:
+        """Use ``engine`` for transactions and ``autocommit_engine`` for single statements.
+
+        ``bounds`` sets SQLite's busy timeout; on servers the waits are bounded
+        by the engines themselves (:func:`create_lease_engine`).
+
+        Without ``autocommit_engine``, single statements borrow ``engine``'s pool
+        in autocommit mode (each check-in then resets the isolation level). On
+        SQLite they borrow it as it is: pysqlite's own transaction handling is
+        off on this store's connections, so a statement outside ``BEGIN``
+        commits by itself, with no isolation-level switch.
+        """
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        #: What differs on this database: the store asks it to do that work.
+        self.database = database_for(self.dialect)
+        self.bounds = bounds
+        self._own_auto = autocommit_engine
+        self._auto, raw = self.database.single_statements(engine, bounds, autocommit_engine)
+        # The hot path's two statements are compiled once; on an engine in
+        # autocommit mode they run at the driver level (DriverStatement).
+        self._claim_path = self.database.claim_path(engine, self._auto, raw=raw)
+        self._complete_stmt = complete_by_binds()
+        self._complete_driver = (
+            DriverStatement(self._auto, self._complete_stmt, returns_row=False) if raw else None
+        )
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, lease_seconds: float | None = None, **engine_kwargs: Any
+    ) -> LeaseStore:
+        """A store on new engines for ``url``, its waits bounded for ``lease_seconds``.
+
+        On servers, single statements get an engine of their own whose
+        connections stay in autocommit mode (no reset per check-out); SQLite
+        shares one pool, whose connections commit each statement outside
+        ``BEGIN`` by themselves. Without ``lease_seconds`` the bounds are those
+        of the default 30 s lease.
+
+        Raises:
+            LeaseDatabaseError: SQLAlchemy could not make an engine (a malformed
+                URL, an unknown dialect) or reach the database while setting it
+                up; the SQLAlchemy error is ``__cause__``.
+        """
+        bounds = DEFAULT_BOUNDS if lease_seconds is None else WaitBounds.for_lease(lease_seconds)
+        backend = backend_of(url)
+        database = database_for(backend)
+        try:
+            engine, auto = database.open(url, bounds, **engine_kwargs)
+            return cls(engine, autocommit_engine=auto, bounds=bounds)
+        except SQLAlchemyError as exc:
+            raise database.wrap(exc, backend) from exc
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every engine this store runs statements on (for instrumentation)."""
+        return (self.engine,) if self._own_auto is None else (self.engine, self._own_auto)
+
+    def dispose(self) -> None:
+        """Close every pooled connection of this store."""
+        for engine in self.engines:
+            engine.dispose()
+
+    def dispose_after_fork(self) -> None:
+        """Drop pooled connections inherited from a parent process without closing them."""
+        for engine in self.engines:
+            engine.dispose(close=False)
+
+    # -- schema ---------------------------------------------------------------
+
+    @_db_errors
+    def create_schema(self) -> None:
+        """Create the runs table and any index it lacks (the embedded default; else migrate)."""
+        create_schema(self.engine)
+
+    @_db_errors
+    def has_schema(self) -> bool:
+        """True when the runs table exists."""
+        return bool(inspect(self.engine).has_table(runs.name))
+
+    @_db_errors
+    def prepare(self) -> None:
+        """Make the database ready for tasks: SQLite, the embedded default, gets its table;
+        a server's is made by ``celery lease migrate``."""
+        self.database.prepare(self.engine)
+
+    # -- reads every operation uses ----------------------------------------------
+
+    @_db_errors
+    def get(self, run_id: str) -> RunRecord | None:
+        """The run row, or None."""
+        with self._auto.connect() as conn:
+            row = conn.execute(select(runs).where(runs.c.id == run_id)).mappings().first()
+        return None if row is None else RunRecord(**dict(row))
+
+    @_db_errors
+    def now_ms(self) -> int:
+        """The database clock, in epoch milliseconds."""
+        with self._auto.connect() as conn:
+            return int(conn.execute(select(db_now_ms())).scalar_one())
+
+    def _lost(self, run_id: str, owner: str, attempt: int, action: str) -> LeaseLost:
+        """A :class:`LeaseLost` whose reason says what the row holds now (failure path only)."""
+        try:
+            row = self.get(run_id)
+        except Exception:  # the diagnosis must never hide the lease loss itself
+            row = None
+        if row is None:
+            reason = f"{action}: run row not found"
+        elif row.attempt != attempt or row.lease_owner != owner:
+            reason = f"{action}: taken over by attempt {row.attempt} (status {row.status})"
+        else:
+            reason = f"{action}: run is {row.status}"
+        return LeaseLost(run_id, owner, attempt, reason)
+
+    # -- claiming a run --------------------------------------------------------
+
+    @_db_errors
+    def claim(
+        self,
+        run_id: str,
+        owner: str,
+        *,
+        task_name: str,
+        lease_ms: int,
+        max_attempts: int,
+        concurrency_key: str | None = None,
+        max_concurrency: int | None = None,
+        payload: bytes | None = None,
+        payload_content_type: str | None = None,
+        task_id: str | None = None,
+    ) -> ClaimResult:
+        """Insert the run or take it over, atomically; ``attempt`` grows by one per claim.
+
+        A run is taken over when it is queued/retrying and available, or running
+        with an expired lease, and has attempts left and no cancel request.
+        Otherwise nothing changes and the result says why (busy or finished).
+        With ``max_concurrency``, the claim also waits (busy, reason
+        ``concurrency``) while that many live leases share ``concurrency_key``;
+        the count and the claim happen under one lock on the key. ``task_id``
+        is the claiming delivery's Celery task id, recorded as the run's own.
+        """
+        check_claim_inputs(
+            run_id=run_id,
+            task_name=task_name,
+            owner=owner,
+            lease_ms=lease_ms,
+            max_attempts=max_attempts,
+            concurrency_key=concurrency_key,
+            payload=payload,
+            task_id=task_id,
+        )
+        values = {
+            "id": run_id,
+            "task_name": task_name,
+            "status": RUNNING,
+            "lease_owner": owner,
+            "lease_ms": lease_ms,
+            "attempt": 1,
+            "max_attempts": max_attempts,
+            "concurrency_key": concurrency_key,
+            "task_id": task_id,
+            "payload": payload,
+            "payload_content_type": payload_content_type,
+        }
+        limit = max_concurrency if concurrency_key is not None else None
+        for tries in range(1, CLAIM_CONTENTION_TRIES + 1):
+            try:
+                return self._claim_once(values, lease_ms, max_attempts, limit)
+            except SQLAlchemyError as exc:
+                if isinstance(exc, DBAPIError) and self.database.lock_wait_ended(exc):
+                    # A transaction holds the row (a worker frozen inside fence()):
+                    # that is a live owner as far as this claim can tell.
+                    return ClaimResult(
+                        "busy", run_id, owner, 0, RUNNING, self.bounds.lock, reason="locked"
+                    )
+                found = self.database.classify(exc)
+                if found.cause not in CLAIM_CONTENTION:
+                    raise
+                if tries == CLAIM_CONTENTION_TRIES:
+                    logger.info(
+                        "celery-lease: claim of %s kept losing to concurrent claims (%s)",
+                        run_id,
+                        found.cause,
+                        extra={"lease_event": "claim_contention", "run_id": run_id},
+                    )
+                    break
+            # Jittered, growing pause: the winner usually commits within it.
+            time.sleep(random.uniform(0, 0.002 * 2**tries))
+        return ClaimResult("busy", run_id, owner, 0, QUEUED, 0.05, reason="race")
+
+    def _claim_once(
+        self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int | None
+    ) -> ClaimResult:
+        """One claim attempt (see :meth:`claim`); contention errors propagate."""
+        run_id, owner = values["id"], values["lease_owner"]
+        if limit is not None:
+            limited = self._claim_limited(values, lease_ms, max_attempts, limit)
+            if isinstance(limited, ClaimResult):
+                return limited
+            row = limited
+        else:
+            row = self._claim_path.claim(values, lease_ms, max_attempts)
+        if row is not None:
+            return ClaimResult("claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2])
+        return self._claim_refused(run_id, owner, max_attempts)
+
+    def _claim_limited(
+        self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int
+    ) -> ClaimResult | tuple[int, int, int] | None:
+        """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
+
+        The count and the claim run in one transaction, under the database's
+        key lock (``Database.lock_key`` and ``count_live``): PostgreSQL a
+        transaction-scoped advisory try-lock, SQLite the write lock of ``BEGIN
+        IMMEDIATE``, MySQL the count as a locking read.
+        """
+        key = values["concurrency_key"]
+        now = db_now_ms()
+        with self.engine.begin() as conn:
+            if not self.database.lock_key(conn, key):
+                return ClaimResult(
+                    "busy",
+                    values["id"],
+                    values["lease_owner"],
+                    0,
+                    RUNNING,
+                    0.5,
+                    reason="concurrency",
+                )
+            live = conn.execute(
+                self.database.count_live(
+                    select(func.count(), func.min(runs.c.lease_expires_at - now)).where(
+                        runs.c.concurrency_key == key,
+                        runs.c.status == RUNNING,
+                        runs.c.lease_expires_at > now,
+                        runs.c.id != values["id"],
+                    )
+                )
+            ).one()
+            if int(live[0]) >= limit:
+                left_ms = max(0, int(live[1] or 0))
+                self._record_waiting(conn, values, left_ms)
+                left = left_ms / 1000.0
+                return ClaimResult(
+                    "busy",
+                    values["id"],
+                    values["lease_owner"],
+                    0,
+                    RUNNING,
+                    left,
+                    reason="concurrency",
+                )
+            return self._claim_path.claim(values, lease_ms, max_attempts, conn)
+
+    def _record_waiting(self, conn: Connection, values: dict[str, Any], wait_ms: int) -> None:
+        """Record a run waiting for a concurrency slot as ``queued`` (with its arguments).
+
+        If its re-published delivery is lost, the sweeper finds the row stranded
+        after ``available_at`` (the latest a slot must free) and re-enqueues it.
+        """
+        now = db_now_ms()
+        waiting = {
+            **values,
+            "status": QUEUED,
+            "lease_owner": None,
+            "attempt": 0,
+            "available_at": now + wait_ms,
+            "created_at": now,
+            "updated_at": now,
+        }
+        bump = {"available_at": now + wait_ms, "updated_at": now}
+        self.database.record_waiting(conn, waiting, bump)
+
+    # -- why a claim changed nothing ----------------------------------------------
+
+    def _claim_refused(self, run_id: str, owner: str, max_attempts: int) -> ClaimResult:
+        """Why a claim changed nothing; ends runs that can never be claimed again."""
+        for _ in range(5):
+            now = db_now_ms()
+            with self._auto.connect() as conn:
+                row = conn.execute(
+                    select(
+                        runs.c.status,
+                        runs.c.attempt,
+                        runs.c.cancel_requested_at,
+                        runs.c.lease_expires_at - now,
+                        runs.c.available_at - now,
+                        runs.c.task_id,
+                        runs.c.max_attempts,
+                    ).where(runs.c.id == run_id)
+                ).first()
+            if row is None:
+                return ClaimResult("busy", run_id, owner, 0, schema.QUEUED, 0.0)
+            status, attempt, cancel_requested, lease_left, available_left, task_id, ceiling = row
+            max_attempts = max(max_attempts, int(ceiling))
+            if status in schema.TERMINAL_STATUSES:
+                return ClaimResult("finished", run_id, owner, attempt, status, task_id=task_id)
+            wait_ms = lease_left if status == schema.RUNNING else available_left
+            claimable = wait_ms is None or wait_ms <= 0
+            if claimable and cancel_requested is not None:
+                if self._end_unclaimable(
+                    run_id, status, attempt, schema.CANCELLED, "cancelled", None
+                ):
+                    return ClaimResult(
+                        "finished", run_id, owner, attempt, schema.CANCELLED, task_id=task_id
+                    )
+                continue
+            if claimable and attempt >= max_attempts:
+                code = "lease_expired" if status == schema.RUNNING else "attempts_exhausted"
+                error = f"attempts exhausted: {attempt} of {max_attempts} used"
+                if self._end_unclaimable(run_id, status, attempt, schema.FAILED, code, error):
+                    return ClaimResult(
+                        "finished", run_id, owner, attempt, schema.FAILED, task_id=task_id
+                    )
+                continue
+            if claimable:
+                # It became claimable between our two statements: try again soon.
+                return ClaimResult("busy", run_id, owner, attempt, status, 0.0, reason="race")
+            return ClaimResult(
+                "busy",
+                run_id,
+                owner,
+                attempt,
+                status,
+                max(0, wait_ms) / 1000.0,
+                reason="lease" if status == schema.RUNNING else "backoff",
+            )
+        return ClaimResult("busy", run_id, owner, 0, schema.RUNNING, 0.0)
+
+    def _end_unclaimable(
+        self,
+        run_id: str,
+        status: str,
+        attempt: int,
+        new_status: str,
+        failure_code: str,
+        error: str | None,
+    ) -> bool:
+        """Move a run nobody may claim any more to a terminal status, if unchanged since read."""
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status == status, runs.c.attempt == attempt)
+            .values(
+                status=new_status,
+                failure_code=failure_code,
+                last_error=case((runs.c.last_error.is_(None), error), else_=runs.c.last_error)
+                if error
+                else runs.c.last_error,
+                lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        with self._auto.connect() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    @_db_errors
+    def end_unclaimed(
+        self, run_id: str, *, task_name: str, max_attempts: int, failure_code: str, error: str
+    ) -> str:
+        """End a run whose claim cannot succeed: ``failed`` with ``failure_code``.
+
+        For a claim that failed on a database error (permanent, or transient
+        with its retries spent). A run held by a live lease of another owner
+        is left alone (that owner finishes it); a terminal run keeps its
+        status; a run with no row gets a ``failed`` row without arguments.
+        Returns the run's status afterwards.
+        """
+        now = db_now_ms()
+        ended = ended_values(now, schema.FAILED, failure_code, error)
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == run_id,
+                or_(
+                    runs.c.status == schema.QUEUED,
+                    runs.c.status == schema.RETRYING,
+                    and_(runs.c.status == schema.RUNNING, runs.c.lease_expires_at <= now),
+                ),
+            )
+            .values(ended)
+        )
+        with self._auto.connect() as conn:
+            if conn.execute(stmt).rowcount == 1:
+                return schema.FAILED
+            status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
+            if status is not None:
+                return str(status)
+            row = {
+                "id": run_id,
+                "task_name": task_name,
+                "lease_ms": 1,
+                "attempt": 0,
+                "max_attempts": max_attempts,
+                "available_at": now,
+                "created_at": now,
+                **ended,
+            }
+            try:
+                conn.execute(self.database.insert(runs).values(row))
+            except SQLAlchemyError as exc:
+                if self.database.classify(exc).cause != "duplicate_key":
+                    raise
+                return self.end_unclaimed(
+                    run_id,
+                    task_name=task_name,
+                    max_attempts=max_attempts,
+                    failure_code=failure_code,
+                    error=error,
+                )
+        return schema.FAILED
+
+    # -- while a lease is held: heartbeat, fence, guarded outcomes -----------------
+
+    @_db_errors
+    def heartbeat(self, leases: Iterable[LeaseKey]) -> HeartbeatResult:
+        """Renew every given lease that is still held and unexpired, in one statement.
+
+        Each renewed lease expires ``lease_ms`` after the database's now. A lease
+        not renewed (taken over, expired, ended) is reported lost. Renewed leases
+        whose run has a cancel request are reported in ``cancel_requested``.
+        """
+        keys = list(leases)
+        if not keys:
+            return HeartbeatResult(frozenset(), frozenset(), frozenset())
+        now = db_now_ms()
+        guard = and_(
+            tuple_(runs.c.id, runs.c.lease_owner, runs.c.attempt).in_(keys),
+            runs.c.status == RUNNING,
+            runs.c.lease_expires_at > now,
+        )
+        renew = (
+            update(runs)
+            .where(guard)
+            .values(lease_expires_at=now + runs.c.lease_ms, heartbeat_at=now, updated_at=now)
+        )
+        columns = (runs.c.id, runs.c.lease_owner, runs.c.attempt, runs.c.cancel_requested_at)
+        rows = self.database.renew(self.engine, self._auto, renew, guard, columns)
+        renewed = frozenset((r[0], r[1], int(r[2])) for r in rows)
+        cancel = frozenset((r[0], r[1], int(r[2])) for r in rows if r[3] is not None)
+        lost = frozenset(keys) - renewed
+        return HeartbeatResult(renewed, lost, cancel)
+
+    @_db_errors
+    def fence(
+        self,
+        connection: Connection,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        complete: bool = False,
+    ) -> None:
+        """Inside the caller's transaction, lock the run row and prove the lease is live.
+
+        Raises :class:`LeaseLost` unless this owner and attempt hold an unexpired
+        lease. The row stays locked until the caller's transaction ends, so a
+        takeover cannot slip in before the caller's writes commit. With
+        ``complete=True`` the run is also marked ``succeeded`` in that same
+        transaction: the caller's writes and the completion commit together.
+        """
+        now = db_now_ms()
+        values: dict[str, Any] = {"heartbeat_at": runs.c.heartbeat_at}
+        if complete:
+            values = success_values(now)
+        stmt = (
+            update(runs)
+            .where(guarded(run_id, owner, attempt), runs.c.lease_expires_at > now)
+            .values(**values)
+        )
+        if connection.execute(stmt).rowcount != 1:
+            raise self._lost(run_id, owner, attempt, "fence refused")
+
+    def _guarded_update(
+        self, run_id: str, owner: str, attempt: int, action: str, **values: Any
+    ) -> None:
+        stmt = update(runs).where(guarded(run_id, owner, attempt)).values(**values)
+        with self._auto.connect() as conn:
+            changed = conn.execute(stmt).rowcount
+        if changed != 1:
+            raise self._lost(run_id, owner, attempt, f"{action} refused")
+
+    @_db_errors
+    def complete(self, run_id: str, owner: str, attempt: int) -> None:
+        """Record success; only the current owner of a running run can. Else :class:`LeaseLost`.
+
+        Idempotent for its owner: if this owner and attempt already completed
+        the run (``fence(complete=True)``, or a retry after a lost reply), it
+        returns quietly.
+        """
+        params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
+        if self._complete_driver is not None:
+            if self._complete_driver.execute(params)[0] == 1:
+                return
+        else:
+            with self._auto.connect() as conn:
+                if conn.execute(self._complete_stmt, params).rowcount == 1:
+                    return
+        row = self.get(run_id)
+        if row and row.status == SUCCEEDED and row.lease_owner == owner and row.attempt == attempt:
+            return
+        raise self._lost(run_id, owner, attempt, "complete refused")
+
+    @_db_errors
+    def fail(
+        self,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        error: str,
+        failure_code: str,
+        retry_in: float | None,
+        message: tuple[bytes, str] | None = None,
+    ) -> str:
+        """Record a failed attempt: ``retrying`` after ``retry_in`` s, or ``failed`` when None.
+
+        Guarded like :meth:`complete`. Returns the new status. ``message``
+        (payload, content type) replaces the stored message of a retrying run,
+        e.g. with the retry Celery published; a failed run keeps its message for
+        ``lease rerun``.
+        """
+        now = db_now_ms()
+        status = FAILED if retry_in is None else RETRYING
+        values: dict[str, Any] = {
+            "status": status,
+            "last_error": error,
+            "failure_code": failure_code,
+            "updated_at": now,
+        }
+        values["lease_expires_at"] = now
+        if retry_in is None:
+            values.update(finished_at=now)
+        else:
+            values["available_at"] = now + round(retry_in * 1000)
+            if message is not None:
+                values.update(payload=message[0], payload_content_type=message[1])
+        self._guarded_update(run_id, owner, attempt, "fail", **values)
+        return status
+
+    @_db_errors
+    def release(self, run_id: str, owner: str, attempt: int, *, available_in: float = 0.0) -> None:
+        """Hand a held lease back: ``retrying``, claimable after ``available_in`` s."""
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "release",
+            status=RETRYING,
+            available_at=now + round(available_in * 1000),
+            lease_expires_at=now,
+            updated_at=now,
+        )
+
+    @_db_errors
+    def end(
+        self,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        status: str,
+        failure_code: str,
+        error: str | None = None,
+    ) -> None:
+        """End a held run in the terminal ``status`` the body chose (Ignore, Reject, replace).
+
+        Guarded like :meth:`complete`. No sweep publishes a terminal run again; its
+        stored message is cleared when it succeeded (replace), kept for ``lease rerun``
+        otherwise.
+        """
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"end() takes a terminal status, not {status!r}")
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "end",
+            **ended_values(now, status, failure_code, error),
+            **(_CLEARED_MESSAGE if status == SUCCEEDED else {}),
+        )
+
+    @_db_errors
+    def refuse_message(
+        self, record: RunRecord, failure_code: str, error: str, *, status: str = FAILED
+    ) -> bool:
+        """End a waiting run whose stored message must not be published again.
+
+        ``failed`` (or ``cancelled`` for an expired message). Guarded on the status
+        and attempt the sweeper read, so a run claimed meanwhile is left alone.
+        True when this call ended it.
+        """
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == record.id,
+                runs.c.attempt == record.attempt,
+                or_(runs.c.status == QUEUED, runs.c.status == RETRYING),
+            )
+            .values(**ended_values(now, status, failure_code, error), **_CLEARED_MESSAGE)
+        )
+        with self._auto.connect() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    @_db_errors
+    def mark_cancelled(self, run_id: str, owner: str, attempt: int) -> None:
+        """End a held run as ``cancelled`` after its worker honoured a cancel request."""
+        now = db_now_ms()
+        self._guarded_update(
+            run_id,
+            owner,
+            attempt,
+            "cancel",
+            status=CANCELLED,
+            failure_code="cancelled",
+            lease_expires_at=now,
+            finished_at=now,
+            updated_at=now,
+        )
+
+    # -- recovery: kept deliveries, expired leases, shutdown hand-back -------------
+
+    @_db_errors
+    def keep_delivery(
+        self,
+        run_id: str,
+        *,
+        task_name: str,
+        task_id: str,
+        payload: bytes,
+        payload_content_type: str,
+        lease_ms: int,
+        max_attempts: int,
+        available_in: float = 0.0,
+        concurrency_key: str | None = None,
+    ) -> bool:
+        """Leave a delivery the broker refused to the sweeper; True when a sweep will send it.
+
+        No row: a ``queued`` row (attempt 0) carrying the message and ``task_id``,
+        available after ``available_in`` s, which :meth:`reclaim_stale` finds.
+        A row that is not terminal and whose own delivery is this one (or that
+        has no stored message, which it then takes) is left as it is:
+        ``queued``/``retrying`` rows are reclaimed, a ``running`` one ends or is
+        handed back by :meth:`sweep_expired`. A terminal row, or one whose own
+        delivery has another task id, cannot carry this delivery: False.
+        """
+        now = db_now_ms()
+        waiting = {
+            "id": run_id,
+            "task_name": task_name,
+            "status": QUEUED,
+            "lease_owner": None,
+            "lease_ms": lease_ms,
+            "attempt": 0,
+            "max_attempts": max_attempts,
+            "available_at": now + round(max(0.0, available_in) * 1000),
+            "concurrency_key": concurrency_key,
+            "task_id": task_id,
+            "payload": payload,
+            "payload_content_type": payload_content_type,
+            "created_at": now,
+            "updated_at": now,
+        }
+        adopt = runs.c.payload.is_(None)
+        keeps = and_(
+            runs.c.status.not_in(sorted(TERMINAL_STATUSES)),
+            or_(adopt, func.coalesce(runs.c.task_id, runs.c.id) == task_id),
+        )
+        return self.database.keep(self.engine, self._auto, waiting, adopt, keeps)
+
+    @_db_errors
+    def sweep_expired(self, limit: int = 500) -> list[tuple[RunRecord, str]]:
+        """End or hand back running runs whose lease expired (DB clock), at most ``limit``.
+
+        Each row moves, by a statement guarded on owner, attempt, status and the
+        expiry, to ``retrying`` (available now), or ``failed`` with
+        ``lease_expired`` when attempts are spent, or ``cancelled`` when a cancel
+        was requested. Only rows this call moved are returned, so two sweepers
+        never both act on the same expired lease. On PostgreSQL and MySQL the
+        rows are read ``FOR UPDATE SKIP LOCKED``: a row locked by a stalled
+        transaction is skipped this time, never waited for.
+        """
+        # A scalar subquery is an index bound; the volatile clock itself would be
+        # a filter evaluated on every running row.
+        now = select(db_now_ms()).scalar_subquery()
+        query = (
+            select(runs)
+            .where(runs.c.status == RUNNING, runs.c.lease_expires_at <= now)
+            .order_by(runs.c.lease_expires_at)
+            .limit(limit)
+        )
+        query = self.database.lock_expired(query)
+        moved: list[tuple[RunRecord, str]] = []
+        with self.engine.begin() as conn:
+            for row in conn.execute(query).mappings().all():
+                record = RunRecord(**dict(row))
+                status = self._sweep_one(record, conn)
+                if status is not None:
+                    moved.append((record, status))
+        return moved
+
+    def _sweep_one(self, record: RunRecord, conn: Connection) -> str | None:
+        """The guarded transition of one expired lease, in the sweep's transaction ``conn``;
+        None if it changed meanwhile."""
+        now = db_now_ms()
+        values: dict[str, Any] = {"updated_at": now, "lease_expires_at": now}
+        if record.cancel_requested_at is not None:
+            status = CANCELLED
+            values.update(failure_code="cancelled", finished_at=now)
+        elif record.attempt >= record.max_attempts:
+            status = FAILED
+            values.update(
+                failure_code="lease_expired",
+                last_error=f"lease expired on attempt {record.attempt} of {record.max_attempts}"
+                " (worker lost or stalled)",
+                finished_at=now,
+            )
+        else:
+            status = RETRYING
+            values.update(
+                available_at=now,
+                failure_code="lease_expired",
+                last_error=f"lease expired on attempt {record.attempt} (worker lost or stalled)",
+            )
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id == record.id,
+                runs.c.lease_owner == record.lease_owner,
+                runs.c.attempt == record.attempt,
+                runs.c.status == RUNNING,
+                runs.c.lease_expires_at <= now,
+            )
+            .values(status=status, **values)
+        )
+        return status if conn.execute(stmt).rowcount == 1 else None
+
+    @_db_errors
+    def reclaim_stale(self, older_than: float, limit: int = 500) -> list[RunRecord]:
+        """Queued/retrying runs available for ``older_than`` s yet never claimed.
+
+        Their delivery was most likely lost (a broker that does not redeliver, a
+        failed publish). Each returned row had ``available_at`` moved to now by
+        a guarded statement, so concurrent sweepers return disjoint rows.
+        """
+        now = db_now_ms()
+        with self._auto.connect() as conn:
+            rows = (
+                conn.execute(
+                    select(runs)
+                    .where(
+                        runs.c.status.in_((QUEUED, RETRYING)),
+                        runs.c.available_at <= now - round(older_than * 1000),
+                        runs.c.cancel_requested_at.is_(None),
+                        # No message: a direct call or eager apply(); never sent to workers.
+                        runs.c.payload.is_not(None),
+                    )
+                    .order_by(runs.c.available_at)
+                    .limit(limit)
+                )
+                .mappings()
+                .all()
+            )
+            taken: list[RunRecord] = []
+            for row in rows:
+                record = RunRecord(**dict(row))
+                stmt = (
+                    update(runs)
+                    .where(
+                        runs.c.id == record.id,
+                        runs.c.status == record.status,
+                        runs.c.attempt == record.attempt,
+                        runs.c.available_at == record.available_at,
+                    )
+                    .values(available_at=db_now_ms(), updated_at=db_now_ms())
+                )
+                if conn.execute(stmt).rowcount == 1:
+                    taken.append(record)
+        return taken
+
+    @_db_errors
+    def release_owned_by(self, worker_id: str) -> list[RunRecord]:
+        """Hand back every running lease taken by the worker whose id is ``worker_id``.
+
+        Used on a worker's cold shutdown. Owners taken inside a worker end in
+        ``.<worker id>`` (a random id per worker, see ``celery_lease.app.worker_id``),
+        so another worker is never touched, even one with the same node name.
+        Each release is guarded like :meth:`release`; the released rows are returned.
+        """
+        if not worker_id:
+            raise ValueError("worker_id must not be empty")
+        with self._auto.connect() as conn:
+            rows = (
+                conn.execute(
+                    select(runs).where(
+                        runs.c.status == RUNNING,
+                        runs.c.lease_owner.endswith(f".{worker_id}", autoescape=True),
+                    )
+                )
+                .mappings()
+                .all()
+            )
+        released: list[RunRecord] = []
+        for row in rows:
+            record = RunRecord(**dict(row))
+            try:
+                self.release(record.id, str(record.lease_owner), record.attempt)
+            except LeaseLost:
+                continue
+            released.append(record)
+        return released
+
+    # -- operators: expire, cancel, retention --------------------------------------
+
+    @_db_errors
+    def expire(self, run_id: str) -> bool:
+        """End a running run's lease now, so another worker may take it over.
+
+        For operators and tests of the lease-lost path. Returns True when a
+        running lease was expired.
+        """
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status == schema.RUNNING)
+            .values(lease_expires_at=now, updated_at=now)
+        )
+        with self._auto.connect() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    @_db_errors
+    def cancel(self, run_id: str, *, task_id: str | None = None) -> str:
+        """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
+
+        Returns the resulting status (``cancelled``, or ``running`` with
+        ``cancel_requested_at`` set, or the status it has when nothing changed).
+        With ``task_id``, only a run whose own delivery has that Celery task id
+        is touched (a revoked duplicate never cancels the run it duplicates).
+        Raises :class:`RunNotFound` for an unknown id.
+        """
+        now = db_now_ms()
+        own = (
+            runs.c.id == run_id
+            if task_id is None
+            else and_(runs.c.id == run_id, runs.c.task_id == task_id)
+        )
+        at_once = (
+            update(runs)
+            .where(own, runs.c.status.in_((schema.QUEUED, schema.RETRYING)))
+            .values(
+                status=schema.CANCELLED,
+                failure_code="cancelled",
+                cancel_requested_at=now,
+                lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        request = (
+            update(runs)
+            .where(own, runs.c.status == schema.RUNNING)
+            .values(
+                cancel_requested_at=func.coalesce(runs.c.cancel_requested_at, now),
+                updated_at=now,
+            )
+        )
+        with self._auto.connect() as conn:
+            if conn.execute(at_once).rowcount == 1:
+                return schema.CANCELLED
+            if conn.execute(request).rowcount == 1:
+                return schema.RUNNING
+            row = conn.execute(
+                select(runs.c.status, runs.c.task_id).where(runs.c.id == run_id)
+            ).first()
+        if row is None:
+            raise RunNotFound(run_id)
+        status, own_task_id = row
+        if status not in schema.TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
+            return self.cancel(run_id, task_id=task_id)  # it changed status between statements
+        return str(status)
+
+    @_db_errors
+    def purge_finished(self, status: str, older_than_ms: int, limit: int = PURGE_BATCH) -> int:
+        """Delete the oldest ``limit`` rows of ``status`` finished over ``older_than_ms`` ago.
+
+        Only terminal rows (``succeeded``, ``failed``, ``cancelled``) are ever
+        touched. One short transaction, in the order of the
+        ``(status, finished_at)`` index; on PostgreSQL and MySQL the rows are
+        picked ``FOR UPDATE SKIP LOCKED``, so a concurrent purge or a locked row
+        is skipped, never waited for. Returns how many rows were deleted.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        finished = purgeable(status, older_than_ms)
+        oldest = (
+            select(runs.c.id)
+            .where(finished)
+            .order_by(runs.c.finished_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)  # SQLite compiles no FOR UPDATE
+        )
+        return self.database.purge(self.engine, self._auto, oldest, finished)
+
+    @_db_errors
+    def count_finished(self, status: str, older_than_ms: int) -> int:
+        """How many rows :meth:`purge_finished` would delete now, by index; read only."""
+        stmt = select(func.count()).select_from(runs).where(purgeable(status, older_than_ms))
+        with self._auto.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    # -- the CLI's reads and rerun ------------------------------------------------
+
+    @_db_errors
+    def list_runs(
+        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
+    ) -> list[RunRecord]:
+        """Up to ``limit`` runs, newest first, filtered by status and task name; read only."""
+        stmt = select(runs).order_by(runs.c.created_at.desc(), runs.c.id).limit(max(0, limit))
+        if status is not None:
+            stmt = stmt.where(runs.c.status == status)
+        if task_name is not None:
+            stmt = stmt.where(runs.c.task_name == task_name)
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).mappings().all()
+        return [RunRecord(**dict(row)) for row in rows]
+
+    @_db_errors
+    def stats(self, *, window_ms: int = 3_600_000) -> dict[str, Any]:
+        """Per-status counts, live and expired leases, oldest running run, recent expiries.
+
+        Read only, four statements (not one snapshot), each answered from the
+        ``(status, ...)`` indexes: the counts from the status index alone, the
+        rest from live rows and recently failed ones, never the whole table's
+        rows. Keys: ``now`` (DB clock,
+        epoch ms), ``counts`` (status -> rows), ``live_leases`` (running, lease
+        unexpired), ``expired_leases`` (running, lease expired: awaiting takeover
+        or the sweeper), ``oldest_running`` (a :class:`RunRecord` or None),
+        ``lease_expired_recent`` (rows with ``failure_code = 'lease_expired'``
+        updated within ``window_ms``; a finished row is last updated when it finished).
+        """
+        now = db_now_ms()
+        running = runs.c.status == schema.RUNNING
+        per_status = select(runs.c.status, func.count()).group_by(runs.c.status)
+        leases = select(
+            func.sum(case((runs.c.lease_expires_at > now, 1), else_=0)),
+            func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
+        ).where(running)
+        oldest = (
+            select(runs)
+            .where(running)
+            .order_by(runs.c.started_at.is_(None), runs.c.started_at, runs.c.id)
+            .limit(1)
+        )
+        # A scalar subquery is an index bound (a volatile clock is not); only
+        # live rows and runs that failed within the window can carry the code.
+        since = select(now - window_ms).scalar_subquery()
+        recent = select(now, func.count()).where(
+            runs.c.failure_code == "lease_expired",
+            or_(
+                and_(
+                    runs.c.status.in_((schema.QUEUED, schema.RUNNING, schema.RETRYING)),
+                    runs.c.updated_at >= since,
+                ),
+                and_(runs.c.status == schema.FAILED, runs.c.finished_at >= since),
+            ),
+        )
+        with self._auto.connect() as conn:
+            grouped = conn.execute(per_status).all()
+            live, expired = conn.execute(leases).one()
+            oldest_row = conn.execute(oldest).mappings().first()
+            db_now, expired_recent = conn.execute(recent).one()
+        return {
+            "now": int(db_now),
+            "counts": {str(r[0]): int(r[1]) for r in grouped},
+            "live_leases": int(live or 0),
+            "expired_leases": int(expired or 0),
+            "oldest_running": None if oldest_row is None else RunRecord(**dict(oldest_row)),
+            "lease_expired_recent": int(expired_recent),
+        }
+
+    @_db_errors
+    def rerun(self, run_id: str, *, attempts: int, force: bool = False) -> RunRecord:
+        """Put a ``failed``/``cancelled`` run (``succeeded`` too with ``force``) back to ``queued``.
+
+        One guarded UPDATE (``WHERE status IN (...)``), so a run a worker holds
+        or has queued is never touched. The run gets ``attempts`` fresh attempts
+        without lowering ``attempt``, the fencing token: ``max_attempts`` becomes
+        ``attempt + attempts``. Owner, lease, cancel request, failure and times
+        of the ended series are cleared; the stored message (if any) and the
+        run's own ``task_id`` are kept. Returns the row as it is now. Raises
+        :class:`RunNotFound`, or :class:`RunNotRerunnable` with the status found.
+        """
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        allowed = [schema.FAILED, schema.CANCELLED] + ([schema.SUCCEEDED] if force else [])
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.status.in_(allowed))
+            .values(
+                status=schema.QUEUED,
+                max_attempts=runs.c.attempt + attempts,
+                lease_owner=None,
+                lease_expires_at=None,
+                heartbeat_at=None,
+                available_at=now,
+                cancel_requested_at=None,
+                started_at=None,
+                finished_at=None,
+                last_error=None,
+                failure_code=None,
+                updated_at=now,
+            )
+        )
+        with self._auto.connect() as conn:
+            changed = conn.execute(stmt).rowcount
+        record = self.get(run_id)
+        if record is None:
+            raise RunNotFound(run_id)
+        if changed != 1:
+            raise RunNotRerunnable(run_id, record.status)
+        return record
+
+    @_db_errors
+    def live_leases(self, limit: int = 50) -> list[RunRecord]:
+        """Up to ``limit`` running runs, soonest lease expiry first; read only.
+
+        An index range on ``(status, lease_expires_at)``: the expired leases
+        (awaiting takeover or the sweeper) come first.
+        """
+        stmt = (
+            select(runs)
+            .where(runs.c.status == schema.RUNNING)
+            .order_by(runs.c.lease_expires_at, runs.c.id)
+            .limit(max(0, limit))
+        )
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).mappings().all()
+        return [RunRecord(**dict(row)) for row in rows]
+
+    @_db_errors
+    def activity(self, now: int, window_ms: int = 60_000) -> Activity:
+        """Counts of live runs per status, and of the runs that ended or went
+        ``retrying`` within ``window_ms`` before ``now``; one read-only statement.
+
+        ``now`` is the database clock (:meth:`now_ms`), passed as a value: the
+        planner then sees the window's bound and reads only index ranges on
+        ``(status, lease_expires_at)``, never the whole table (a bound computed
+        in the statement from the volatile clock hides its selectivity, and
+        PostgreSQL scans the table). Read: every live row, plus the terminal and
+        ``retrying`` rows whose lease ended inside the window (each end of an
+        attempt sets ``lease_expires_at`` to that moment).
+        """
+        since = now - window_ms
+        live = (schema.QUEUED, schema.RUNNING, schema.RETRYING)
+        recent = runs.c.lease_expires_at >= since
+        stmt = (
+            select(
+                runs.c.status,
+                func.count(),
+                func.sum(case((recent, 1), else_=0)),
+                func.sum(case((runs.c.attempt > 1, 1), else_=0)),
+                func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
+            )
+            .where(
+                or_(
+                    runs.c.status.in_(live),
+                    and_(runs.c.status.in_(sorted(schema.TERMINAL_STATUSES)), recent),
+                )
+            )
+            .group_by(runs.c.status)
+        )
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).all()
+        counts = {str(r[0]): int(r[1]) for r in rows if r[0] in live}
+        ended = {str(r[0]): int(r[1]) for r in rows if r[0] not in live}
+        by_status = {str(r[0]): r for r in rows}
+        retrying = by_status.get(schema.RETRYING)
+        running = by_status.get(schema.RUNNING)
+        return Activity(
+            now=now,
+            window_ms=window_ms,
+            counts={status: counts.get(status, 0) for status in live},
+            ended_recently={
+                status: ended.get(status, 0) for status in sorted(schema.TERMINAL_STATUSES)
+            },
+            retried_recently=0 if retrying is None else int(retrying[2] or 0),
+            running_retries=0 if running is None else int(running[3] or 0),
+            expired_leases=0 if running is None else int(running[4] or 0),
+        )

@@ -1,0 +1,295 @@
+"""PostgreSQL, directly or behind a transaction pooler: :class:`PostgreSQL`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    create_engine,
+    delete,
+    event,
+    func,
+    select,
+)
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from ..schema import runs
+from .bounds import WaitBounds
+from .database import (
+    Classification,
+    Database,
+    LockedClaim,
+    UpsertClaim,
+    permanent,
+    transient,
+    upsert_kept,
+    upsert_waiting,
+)
+from .driver import _ClientWatchdog
+
+#: psycopg's own default: a statement is prepared on its sixth run.
+PSYCOPG_PREPARE_THRESHOLD = 5
+
+
+class PostgreSQL(Database):
+    """PostgreSQL: upserts, advisory key locks, ``SKIP LOCKED``, bounds that survive a pooler."""
+
+    codes: ClassVar[dict[str, Classification]] = {
+        "40001": transient("serialization_failure"),
+        "40P01": transient("deadlock"),
+        "55P03": transient("lock_not_available"),
+        "57014": transient("timeout"),  # query_canceled: statement_timeout
+        "25P03": transient("timeout"),  # idle_in_transaction_session_timeout
+        "57P01": transient("server_shutdown"),
+        "57P02": transient("server_shutdown"),
+        "57P03": transient("server_starting"),
+        "53300": transient("too_many_connections"),
+        "23505": permanent("duplicate_key"),
+        "22001": permanent("data_too_long"),
+        "22003": permanent("out_of_range"),
+        "42P01": permanent("missing_table"),
+        "42703": permanent("missing_column"),
+        "42501": permanent("permission_denied"),
+        "28000": permanent("auth_failed"),
+        "28P01": permanent("auth_failed"),
+        "3D000": permanent("missing_database"),
+        "25006": permanent("read_only"),
+    }
+    classes: ClassVar[dict[str, Classification]] = {
+        "08": transient("disconnect"),
+        "53": transient("insufficient_resources"),
+        "58": transient("system_error"),
+        "22": permanent("bad_data"),
+        "23": permanent("integrity"),
+        "42": permanent("bad_sql"),
+    }
+    #: libpq reports connection failures without a SQLSTATE: the message decides.
+    messages: ClassVar[tuple[tuple[str, Classification], ...]] = (
+        ("password authentication failed", permanent("auth_failed")),
+        ("no pg_hba.conf entry", permanent("auth_failed")),
+        ('role "', permanent("auth_failed")),  # role "x" does not exist
+        # database "x" is not currently accepting connections: it will again.
+        ("not currently accepting connections", transient("server_starting")),
+        ("the database system is", transient("server_starting")),  # starting up / shutting down
+        ('database "', permanent("missing_database")),  # database "x" does not exist
+        ("connection refused", transient("connection_refused")),
+        ("failed to resolve host", transient("unknown_host")),
+        ("could not translate host name", transient("unknown_host")),
+    )
+
+    def __init__(self) -> None:
+        super().__init__(
+            names=("postgresql",),
+            driver_extra="postgres",
+            # clock_timestamp(), not now(): now() is frozen at transaction start, which
+            # would make a fence inside a long user transaction read a stale clock.
+            clock_sql="CAST(FLOOR(EXTRACT(EPOCH FROM clock_timestamp()) * 1000) AS BIGINT)",
+        )
+
+    def create_engine(self, url: str, bounds: WaitBounds, **kwargs: Any) -> Engine:
+        """An engine whose every wait is bounded, behind a transaction pooler or not.
+
+        With psycopg (3), each new connection checks whether a pooler stands
+        between it and the server (:meth:`_detect_pooler`). Direct, it keeps
+        psycopg's server-side prepared statements and sets ``statement_timeout``
+        and ``lock_timeout`` once for the session. Behind a pooler, which may hand
+        each transaction to another server connection, it prepares nothing (a
+        prepared name would be missing there, or name another statement) and
+        sends every statement together with ``set_config(..., true)`` calls for
+        both timeouts: transaction-local, so they travel with the statement, and
+        no extra round trip. ``?prepare_threshold=N`` (or ``none``) in the URL
+        decides instead of the check. A client-side watchdog cuts a connection
+        that waits past ``bounds.client`` for any reply.
+        """
+        parsed = make_url(url)
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args.setdefault("connect_timeout", math.ceil(bounds.connect))
+        detect = False
+        if parsed.get_driver_name() == "psycopg":
+            given = parsed.query.get("prepare_threshold")
+            parsed = parsed.difference_update_query(["prepare_threshold"])
+            detect = given is None and not {"prepare_threshold", "cursor_factory"} & set(
+                connect_args
+            )
+            threshold = _threshold(given)
+            connect_args.setdefault("prepare_threshold", threshold)
+            cursor = _bounded_psycopg_cursor(bounds, prepared=threshold is not None)
+            connect_args.setdefault("cursor_factory", cursor)
+        engine = create_engine(parsed, connect_args=connect_args, hide_parameters=True, **kwargs)
+        watchdog = _ClientWatchdog(bounds.client)
+        watchdog.install(engine)
+        if detect:
+            self._detect_pooler(engine, bounds, watchdog)
+        return engine
+
+    @staticmethod
+    def _detect_pooler(engine: Engine, bounds: WaitBounds, watchdog: _ClientWatchdog) -> None:
+        """Prepared statements and session timeouts on connections that reach PostgreSQL directly.
+
+        A pooler (PgBouncer, and others) answers the startup itself and gives the
+        client a backend key of its own, so the process id the connection was told
+        at startup is not the ``pg_backend_pid()`` of the server that runs its
+        statements. Where they match, nothing stands in between: session state
+        holds, psycopg may prepare, and the timeouts are set once for the session.
+        Where they differ, the connection keeps the pooler-safe settings it was
+        made with (nothing prepared, timeouts sent with each statement).
+        """
+        import psycopg
+
+        settings = (
+            f"SET statement_timeout = {round(bounds.statement * 1000)}; "
+            f"SET lock_timeout = {max(1, round(bounds.lock * 1000))}"
+        )
+        idle = psycopg.pq.TransactionStatus.IDLE
+
+        def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+            with watchdog.guard(dbapi_connection):  # not checked out yet: bound it here
+                cursor = psycopg.Cursor(dbapi_connection)
+                cursor.execute("SELECT pg_backend_pid()")
+                row = cursor.fetchone()
+                if row is not None and row[0] == dbapi_connection.info.backend_pid:
+                    cursor.execute(settings)
+                    dbapi_connection.prepare_threshold = PSYCOPG_PREPARE_THRESHOLD
+                    dbapi_connection.cursor_factory = psycopg.Cursor
+                cursor.close()
+                if dbapi_connection.info.transaction_status != idle:
+                    dbapi_connection.commit()  # the session settings must outlive it
+
+        event.listen(engine, "connect", on_connect)
+
+    def classify_driver_error(self, orig: BaseException) -> Classification | None:
+        """The class by SQLSTATE (``psycopg``'s ``exc.sqlstate``), else by libpq's connection
+        message."""
+        state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+        if isinstance(state, str) and state:
+            return self.codes.get(state) or self.classes.get(state[:2])
+        text = str(orig).lower()
+        if "connection" in text or "host" in text:
+            for fragment, classification in self.messages:
+                if fragment in text:
+                    return classification
+        return None
+
+    def lock_wait_ended(self, exc: sa_exc.DBAPIError) -> bool:
+        """``lock_not_available`` (SQLSTATE 55P03): ``lock_timeout`` ended the wait."""
+        orig = exc.orig
+        return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) == "55P03"
+
+    def insert(self, table: Table) -> Any:
+        """PostgreSQL's ``INSERT``, with ``ON CONFLICT``."""
+        return postgresql.insert(table)
+
+    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> UpsertClaim | LockedClaim:
+        """One upsert."""
+        return UpsertClaim(self.insert, auto, raw=raw)
+
+    def lock_key(self, conn: Connection, key: str) -> bool:
+        """A transaction-scoped advisory try-lock on the key's hash: a holder frozen inside
+        this short transaction must not stall every other claim on the key; they report
+        busy instead."""
+        return bool(
+            conn.execute(
+                select(func.pg_try_advisory_xact_lock(func.hashtextextended(key, 0)))
+            ).scalar()
+        )
+
+    def record_waiting(
+        self, conn: Connection, waiting: dict[str, Any], bump: dict[str, Any]
+    ) -> None:
+        """One upsert that bumps only a row still ``queued``."""
+        upsert_waiting(self.insert, conn, waiting, bump)
+
+    def renew(
+        self, engine: Engine, auto: Engine, renew: Any, guard: Any, columns: Sequence[Any]
+    ) -> Sequence[Any]:
+        """One ``UPDATE .. RETURNING``."""
+        with auto.connect() as conn:
+            return conn.execute(renew.returning(*columns)).all()
+
+    def keep(
+        self,
+        engine: Engine,
+        auto: Engine,
+        waiting: dict[str, Any],
+        adopt: Any,
+        keeps: Any,
+    ) -> bool:
+        """One conditional upsert (see :meth:`Database.keep`)."""
+        return upsert_kept(self.insert, auto, waiting, adopt, keeps)
+
+    def purge(self, engine: Engine, auto: Engine, oldest: Any, purgeable: Any) -> int:
+        """``id = ANY(ARRAY(...))``: an index condition on the primary key; with ``IN (...)``
+        the planner may hash-join against a scan of the table."""
+        picked = runs.c.id == func.any(func.array(oldest.scalar_subquery()))
+        with auto.connect() as conn:
+            return int(conn.execute(delete(runs).where(picked)).rowcount)
+
+
+def _threshold(value: Any) -> int | None:
+    """psycopg's ``prepare_threshold`` from a URL query value (None: never prepare)."""
+    if value is None or str(value).lower() in ("", "none", "off"):
+        return None
+    return int(value)
+
+
+def _bounded_psycopg_cursor(bounds: WaitBounds, *, prepared: bool) -> type[Any]:
+    """A psycopg cursor class that bounds each statement, in the statement's own round trip.
+
+    ``set_config(..., true)`` lasts until the end of the current transaction:
+    the explicit one, or, for a statement outside one, the implicit transaction
+    of that one round trip. Behind a transaction pooler both settings therefore
+    travel with the statement to whichever server connection runs it.
+
+    Without server-side prepared statements (the default) the settings and the
+    statement go as one simple-protocol query, its parameters bound on the
+    client: a multi-statement query runs as one implicit transaction, and the
+    cursor is moved to the statement's own result. With prepared statements
+    (``prepare_threshold`` given) they go in one pipeline (libpq >= 14) ending
+    in a single Sync; without pipeline support a statement inside a transaction
+    sets them with one more round trip, and one outside has only the client bound.
+    """
+    import psycopg
+
+    bound_sql = (
+        f"SELECT set_config('statement_timeout', '{round(bounds.statement * 1000)}', true), "
+        f"set_config('lock_timeout', '{max(1, round(bounds.lock * 1000))}', true)"
+    )
+    if not prepared:
+
+        class BoundedClientCursor(psycopg.ClientCursor[Any]):
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                if isinstance(query, bytes):
+                    query = query.decode()
+                if not isinstance(query, str):  # a psycopg.sql object: sent as it is
+                    return super().execute(query, params, **kwargs)
+                super().execute(f"{bound_sql}; {query}", params, **kwargs)
+                self.nextset()  # the statement's own result, rowcount and description
+                return self
+
+        return BoundedClientCursor
+
+    pipelined = psycopg.Pipeline.is_supported()
+    plain = psycopg.Cursor
+    idle = psycopg.pq.TransactionStatus.IDLE
+    bound_bytes = bound_sql.encode()
+
+    class BoundedCursor(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            conn = self.connection
+            if pipelined:
+                with conn.pipeline():
+                    plain(conn).execute(bound_bytes)
+                    return super().execute(query, params, **kwargs)
+            if conn.info.transaction_status != idle:
+                plain(conn).execute(bound_bytes)
+            return super().execute(query, params, **kwargs)
+
+    return BoundedCursor

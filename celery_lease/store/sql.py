@@ -1,0 +1,198 @@
+"""The SQL the store and the database classes share: plain builder functions.
+
+Each returns a SQLAlchemy construct or a dict of column values; none runs
+anything. Every time in them is :class:`~celery_lease.schema.db_now_ms`, the
+database clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Integer, String, Table, and_, bindparam, case, func, or_, select, update
+
+from ..schema import (
+    QUEUED,
+    RETRYING,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL_STATUSES,
+    PayloadType,
+    db_now_ms,
+    runs,
+)
+from .records import _CLEARED_MESSAGE
+
+#: Builds a dialect's ``INSERT`` construct for a table (see ``Database.insert``).
+InsertBuilder = Callable[[Table], Any]
+
+
+def ended_values(now: Any, status: str, failure_code: str, error: str | None) -> dict[str, Any]:
+    """The values that end a run in ``status``, with its failure, at ``now``.
+
+    ``lease_expires_at`` becomes the end time too: ``lease top`` counts recent ends by it.
+    """
+    return {
+        "status": status,
+        "failure_code": failure_code,
+        "last_error": error,
+        "lease_expires_at": now,
+        "finished_at": now,
+        "updated_at": now,
+    }
+
+
+def success_values(now: Any) -> dict[str, Any]:
+    """The values that end a run ``succeeded`` at ``now``, its stored message cleared."""
+    return {
+        "status": SUCCEEDED,
+        "lease_expires_at": now,
+        "finished_at": now,
+        "updated_at": now,
+        "last_error": None,
+        "failure_code": None,
+        **_CLEARED_MESSAGE,
+    }
+
+
+def guarded(run_id: Any, owner: Any, attempt: Any) -> Any:
+    """The guard of every write by a lease holder: this id, owner and attempt, still running."""
+    return and_(
+        runs.c.id == run_id,
+        runs.c.lease_owner == owner,
+        runs.c.attempt == attempt,
+        runs.c.status == RUNNING,
+    )
+
+
+def attempt_ceiling(max_attempts: Any) -> Any:
+    """The attempt at which a run is out of attempts: the claimer's ``max_attempts``,
+    or the row's own when larger (``celery lease rerun`` raises it, so that
+    ``attempt``, the fencing token, never goes back)."""
+    return case((runs.c.max_attempts > max_attempts, runs.c.max_attempts), else_=max_attempts)
+
+
+def claimable(max_attempts: Any) -> Any:
+    """A row a claim may take over: available and waiting, or running with an expired lease;
+    attempts left and no cancel request."""
+    now = db_now_ms()
+    return and_(
+        or_(
+            and_(
+                # Two equalities, not IN: an IN list is expanded on every execution.
+                or_(runs.c.status == QUEUED, runs.c.status == RETRYING),
+                runs.c.available_at <= now,
+            ),
+            and_(runs.c.status == RUNNING, runs.c.lease_expires_at <= now),
+        ),
+        runs.c.attempt < attempt_ceiling(max_attempts),
+        runs.c.cancel_requested_at.is_(None),
+    )
+
+
+def takeover_values(
+    owner: Any, lease_ms: Any, max_attempts: Any, values: dict[str, Any]
+) -> dict[str, Any]:
+    """The values a claim sets on a row it takes over: the next attempt, a fresh lease."""
+    now = db_now_ms()
+    return {
+        "status": RUNNING,
+        "lease_owner": owner,
+        # The claimer's delivery becomes the run's own: its id and message.
+        "task_id": values["task_id"],
+        "payload": values["payload"],
+        "payload_content_type": values["payload_content_type"],
+        "lease_ms": lease_ms,
+        "lease_expires_at": now + lease_ms,
+        "heartbeat_at": now,
+        "attempt": runs.c.attempt + 1,
+        "max_attempts": attempt_ceiling(max_attempts),
+        "started_at": func.coalesce(runs.c.started_at, now),
+        "finished_at": None,
+        "updated_at": now,
+    }
+
+
+def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
+    """The row a first claim inserts: ``values`` with a lease from the database's now."""
+    now = db_now_ms()
+    return {
+        **values,
+        "lease_expires_at": now + lease_ms,
+        "heartbeat_at": now,
+        "available_at": now,
+        "started_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def claim_upsert(insert: InsertBuilder) -> Any:
+    """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` with bind parameters.
+
+    Returns the new attempt, expiry and attempt ceiling; no row when the run
+    was not claimable. Its parameters come from :func:`claim_params`.
+    """
+    lease_ms = bindparam("p_lease_ms", type_=Integer)
+    max_attempts = bindparam("p_max_attempts", type_=Integer)
+    values = {
+        "id": bindparam("p_id", type_=String),
+        "task_name": bindparam("p_task_name", type_=String),
+        "status": RUNNING,
+        "lease_owner": bindparam("p_owner", type_=String),
+        "lease_ms": lease_ms,
+        "attempt": 1,
+        "max_attempts": max_attempts,
+        "concurrency_key": bindparam("p_concurrency_key", type_=String),
+        "task_id": bindparam("p_task_id", type_=String),
+        "payload": bindparam("p_payload", type_=PayloadType),
+        "payload_content_type": bindparam("p_payload_content_type", type_=String),
+    }
+    return (
+        insert(runs)
+        .values(insert_values(values, lease_ms))
+        .on_conflict_do_update(
+            index_elements=[runs.c.id],
+            set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
+            where=claimable(max_attempts),
+        )
+        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts)
+    )
+
+
+def claim_params(values: dict[str, Any], lease_ms: int, max_attempts: int) -> dict[str, Any]:
+    """The bind parameters of :func:`claim_upsert` for the claim ``values``."""
+    return {
+        "p_id": values["id"],
+        "p_task_name": values["task_name"],
+        "p_owner": values["lease_owner"],
+        "p_lease_ms": lease_ms,
+        "p_max_attempts": max_attempts,
+        "p_concurrency_key": values["concurrency_key"],
+        "p_task_id": values["task_id"],
+        "p_payload": values["payload"],
+        "p_payload_content_type": values["payload_content_type"],
+    }
+
+
+def complete_by_binds() -> Any:
+    """``UPDATE .. SET succeeded WHERE guarded`` with bind parameters ``p_id``, ``p_owner``,
+    ``p_attempt``: the completion, compiled once per store."""
+    return (
+        update(runs)
+        .where(guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt")))
+        .values(**success_values(db_now_ms()))
+    )
+
+
+def purgeable(status: str, older_than_ms: int) -> Any:
+    """Rows of finished ``status`` that finished more than ``older_than_ms`` ago (DB clock)."""
+    if status not in TERMINAL_STATUSES:
+        raise ValueError(f"only finished runs can be purged, not {status!r} ones")
+    if older_than_ms < 0:
+        raise ValueError(f"older_than_ms must be >= 0, got {older_than_ms}")
+    # A scalar subquery, evaluated once: an index bound (clock_timestamp() is
+    # volatile, so PostgreSQL would filter every row of the status instead).
+    cutoff = select(db_now_ms() - older_than_ms).scalar_subquery()
+    return and_(runs.c.status == status, runs.c.finished_at < cutoff)

@@ -1,0 +1,181 @@
+"""SQLite, the embedded default: :class:`SQLite`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    event,
+)
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from .bounds import WaitBounds
+from .database import (
+    Classification,
+    Database,
+    LockedClaim,
+    UpsertClaim,
+    create_schema,
+    permanent,
+    transient,
+    upsert_kept,
+    upsert_waiting,
+)
+
+#: Execution option for single statements on SQLite: no ``BEGIN``, and no
+#: isolation-level switch (SQLAlchemy's costs a PRAGMA at check-out and check-in).
+SQLITE_AUTOCOMMIT = "celery_lease_autocommit"
+
+
+class SQLite(Database):
+    """SQLite: one writer at a time (``BEGIN IMMEDIATE``), so no row locks to take or skip.
+
+    Upserts with ``ON CONFLICT``; the store's connections have pysqlite's own
+    transaction handling off, so single statements share the one pool and each
+    commits by itself outside ``BEGIN``. The busy timeout bounds every wait.
+    """
+
+    extended: ClassVar[dict[int, Classification]] = {
+        1555: permanent("duplicate_key"),  # SQLITE_CONSTRAINT_PRIMARYKEY
+        2067: permanent("duplicate_key"),  # SQLITE_CONSTRAINT_UNIQUE
+    }
+    codes: ClassVar[dict[int, Classification]] = {
+        5: transient("database_locked"),  # SQLITE_BUSY
+        6: transient("database_locked"),  # SQLITE_LOCKED
+        10: transient("io_error"),  # SQLITE_IOERR
+        13: transient("insufficient_resources"),  # SQLITE_FULL
+        15: transient("database_locked"),  # SQLITE_PROTOCOL
+        3: permanent("permission_denied"),  # SQLITE_PERM
+        8: permanent("read_only"),  # SQLITE_READONLY
+        11: permanent("corrupt"),  # SQLITE_CORRUPT
+        14: permanent("cannot_open"),  # SQLITE_CANTOPEN: a missing directory, a bad path
+        18: permanent("data_too_long"),  # SQLITE_TOOBIG
+        19: permanent("integrity"),  # SQLITE_CONSTRAINT
+        20: permanent("bad_data"),  # SQLITE_MISMATCH
+        23: permanent("permission_denied"),  # SQLITE_AUTH
+        26: permanent("corrupt"),  # SQLITE_NOTADB
+    }
+    #: SQLite gives nothing finer than ``SQLITE_ERROR`` for these: the message decides.
+    messages: ClassVar[tuple[tuple[str, Classification], ...]] = (
+        ("database is locked", transient("database_locked")),
+        ("no such table", permanent("missing_table")),
+        ("no such column", permanent("missing_column")),
+        ("has no column named", permanent("missing_column")),
+        ("syntax error", permanent("bad_sql")),
+        ("unable to open database", permanent("cannot_open")),
+        ("readonly database", permanent("read_only")),
+    )
+
+    def __init__(self) -> None:
+        super().__init__(
+            names=("sqlite",),
+            driver_extra="sqlite",
+            # julianday('now') carries milliseconds and is fixed for one statement.
+            clock_sql="CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)",
+        )
+
+    def open(self, url: str, bounds: WaitBounds, **kwargs: Any) -> tuple[Engine, Engine | None]:
+        """One engine: single statements share its pool (see :meth:`single_statements`)."""
+        return self.create_engine(url, bounds, **kwargs), None
+
+    def single_statements(
+        self, engine: Engine, bounds: WaitBounds, given: Engine | None
+    ) -> tuple[Engine, bool]:
+        """WAL and the busy timeout on ``engine``; single statements commit outside ``BEGIN``."""
+        self._configure(engine, bounds)
+        if given is not None:
+            return given, True
+        return engine.execution_options(**{SQLITE_AUTOCOMMIT: True}), True
+
+    def prepare(self, engine: Engine) -> None:
+        """The embedded default needs no migrate step: create the table and its indexes."""
+        create_schema(engine)
+
+    def classify_driver_error(self, orig: BaseException) -> Classification | None:
+        """The primary result code (``sqlite_errorcode & 0xFF``) and, for the catch-all
+        ``SQLITE_ERROR``, the message."""
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int) and code in self.extended:
+            return self.extended[code]
+        if isinstance(code, int) and (code & 0xFF) in self.codes:
+            return self.codes[code & 0xFF]
+        text = str(orig).lower()
+        for fragment, classification in self.messages:
+            if fragment in text:
+                return classification
+        return None
+
+    def insert(self, table: Table) -> Any:
+        """SQLite's ``INSERT``, with ``ON CONFLICT``."""
+        return sqlite.insert(table)
+
+    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> UpsertClaim | LockedClaim:
+        """One upsert. The key lock of a limited claim is ``BEGIN IMMEDIATE``'s write lock."""
+        return UpsertClaim(self.insert, auto, raw=raw)
+
+    def record_waiting(
+        self, conn: Connection, waiting: dict[str, Any], bump: dict[str, Any]
+    ) -> None:
+        """One upsert that bumps only a row still ``queued``."""
+        upsert_waiting(self.insert, conn, waiting, bump)
+
+    def renew(
+        self, engine: Engine, auto: Engine, renew: Any, guard: Any, columns: Sequence[Any]
+    ) -> Sequence[Any]:
+        """One ``UPDATE .. RETURNING``."""
+        with auto.connect() as conn:
+            return conn.execute(renew.returning(*columns)).all()
+
+    def keep(
+        self,
+        engine: Engine,
+        auto: Engine,
+        waiting: dict[str, Any],
+        adopt: Any,
+        keeps: Any,
+    ) -> bool:
+        """One conditional upsert (see :meth:`Database.keep`)."""
+        return upsert_kept(self.insert, auto, waiting, adopt, keeps)
+
+    def lock_expired(self, query: Any) -> Any:
+        """No row locks: the sweep's transaction is the only writer."""
+        return query
+
+    def _configure(self, engine: Engine, bounds: WaitBounds) -> None:
+        """WAL, a busy timeout (``bounds.statement``, at least 1 s), and ``BEGIN IMMEDIATE``."""
+        busy_ms = max(1000, round(bounds.statement * 1000))
+
+        def on_connect(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+            # Take transaction control from pysqlite so that `begin` below decides.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")
+            cursor.close()
+
+        def on_begin(conn: Connection) -> None:
+            options = conn.get_execution_options()
+            if options.get(SQLITE_AUTOCOMMIT) or options.get("isolation_level") == "AUTOCOMMIT":
+                return  # no BEGIN: each statement commits by itself
+            # IMMEDIATE takes the write lock up front, so a read-then-write
+            # transaction can never fail to upgrade its lock half way through.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        def on_checkout(dbapi_connection: Any, record: ConnectionPoolEntry, proxy: Any) -> None:
+            # SQLAlchemy's reset after an AUTOCOMMIT check-out (by any user of this
+            # engine) turns pysqlite's implicit transactions back on; a statement
+            # run on the raw cursor would then be rolled back at check-in.
+            if dbapi_connection.isolation_level is not None:
+                dbapi_connection.isolation_level = None
+
+        if not event.contains(engine, "connect", on_connect):
+            event.listen(engine, "connect", on_connect)
+            event.listen(engine, "begin", on_begin)
+            event.listen(engine.pool, "checkout", on_checkout)
+            engine.dispose()  # connections made before the listeners would lack the settings
