@@ -13,6 +13,7 @@ from .errors import (
     LeaseError,
     LeaseInputError,
     LeaseLost,
+    LeaseUsageError,
     RunCancelled,
     RunFailed,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "LeaseInputError",
     "LeaseLost",
     "LeaseStore",
+    "LeaseUsageError",
     "LeasedTask",
     "RunCancelled",
     "RunFailed",

@@ -171,6 +171,15 @@ class LeaseInputError(LeaseError, ValueError):
         return f"{self.code}:{self.field}"[:64]
 
 
+class LeaseUsageError(LeaseError):
+    """The lease API was used in a way that cannot work, e.g. ``fence()`` on another database.
+
+    Not a lost lease: the lease may still be held. The message says what to change.
+    """
+
+    code = "lease_usage_error"
+
+
 class RunNotFound(LeaseError):
     """No run row has this id."""
 

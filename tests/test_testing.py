@@ -156,3 +156,41 @@ def test_steal_lease_works_when_attempts_are_spent(lease_store: LeaseStore) -> N
     assert (stolen.outcome, stolen.attempt) == ("claimed", 2)
     record = testing.run_record(lease_store, "r1")
     assert record.lease_owner == "thief:1:x" and record.max_attempts == 2
+
+
+def test_fence_on_the_lease_transaction_follows_use_lease_database(
+    app: Celery, tmp_path: Path
+) -> None:
+    """The quickstart then the testing page: ``self.lease.transaction()`` is on the database
+    use_lease_database chose, so ``fence(conn)`` holds; an engine built at import time on the
+    old URL is another database, and fence() on it says so (LeaseUsageError), not LeaseLost."""
+    from sqlalchemy import create_engine, text
+
+    from celery_lease import LeaseUsageError
+
+    old = testing.lease_store_at(tmp_path / "before.sqlite3")  # the import-time database
+    import_time_engine = create_engine(old.engine.url)
+    seen: list[str] = []
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="usersuite.capture")
+    def capture(self: LeasedTask, order_id: int) -> str:
+        with self.lease.transaction() as conn:
+            self.lease.fence(conn)
+            conn.execute(text("CREATE TABLE IF NOT EXISTS captures (order_id INTEGER)"))
+            conn.execute(text("INSERT INTO captures VALUES (:o)"), {"o": order_id})
+        try:
+            with import_time_engine.begin() as conn:
+                self.lease.fence(conn)
+        except LeaseUsageError as exc:
+            seen.append(str(exc))
+        self.lease.check()  # the lease is still held
+        return "captured"
+
+    assert capture.delay(42).get() == "captured"
+    assert len(seen) == 1 and "not on the lease database" in seen[0]
+    store = store_for(app)
+    assert [run.status for run in store.list_runs()] == ["succeeded"]
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT order_id FROM captures")).scalars().all() == [42]
+    import_time_engine.dispose()
+    old.dispose()

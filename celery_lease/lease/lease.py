@@ -256,6 +256,8 @@ class Lease:
         Raises:
             LeaseLost: the lease is no longer held, or its local deadline passed
                 (the transaction should roll back).
+            LeaseUsageError: ``connection`` is on another database than the
+                lease's, which still holds the lease (the lease stays held).
         """
         with self.uninterruptible():
             if self._state is not LeaseState.COMPLETING:
@@ -270,6 +272,17 @@ class Lease:
                 raise
             if complete:
                 self._completing(connection)
+
+    def transaction(self) -> contextlib.AbstractContextManager[Connection]:
+        """``with lease.transaction() as conn:``: the lease database, in a transaction.
+
+        For :meth:`fence`: writes made on ``conn`` after ``fence(conn)`` commit
+        only while this lease holds. The transaction commits when the block
+        ends and rolls back if it raises. It runs on this lease's store, so it
+        follows :func:`celery_lease.testing.use_lease_database` and has the
+        store's bounded waits.
+        """
+        return self.store.transaction()
 
     def complete(self) -> None:
         """Record success with the guarded completion (idempotent after ``fence(complete=True)``).

@@ -11,11 +11,12 @@ the functions of :mod:`celery_lease.store.sql`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import (
@@ -33,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .. import schema
-from ..errors import LeaseLost, RunNotFound, RunNotRerunnable
+from ..errors import LeaseLost, LeaseUsageError, RunNotFound, RunNotRerunnable
 from ..schema import (
     CANCELLED,
     FAILED,
@@ -570,7 +571,30 @@ class LeaseStore:
             .values(**values)
         )
         if connection.execute(stmt).rowcount != 1:
+            if self._holds(run_id, owner, attempt):
+                raise LeaseUsageError(
+                    f"fence() on run {run_id}: the connection is not on the lease database "
+                    f"({self.engine.url.render_as_string(hide_password=True)}), where this "
+                    "lease is held; use `with self.lease.transaction() as conn:`"
+                )
             raise self._lost(run_id, owner, attempt, "fence refused")
+
+    def _holds(self, run_id: str, owner: str, attempt: int) -> bool:
+        """True when the lease database shows this owner's unexpired lease (fence diagnosis)."""
+        stmt = select(runs.c.id).where(
+            guarded(run_id, owner, attempt), runs.c.lease_expires_at > db_now_ms()
+        )
+        try:
+            with self._auto.connect() as conn:
+                return conn.execute(stmt).first() is not None
+        except SQLAlchemyError:  # the diagnosis must never hide the refusal itself
+            return False
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A connection to the lease database inside a transaction, committed on success."""
+        with self.engine.begin() as conn:
+            yield conn
 
     def _guarded_update(
         self, run_id: str, owner: str, attempt: int, action: str, **values: Any
