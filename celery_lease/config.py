@@ -342,6 +342,7 @@ def check_app_settings(app: Celery) -> None:
             the close match, as the key was spelled, namespace included), or the
             default per-host SQLite file behind a broker that spans hosts.
     """
+    unknown: list[tuple[str, str]] = []
     for spelled, name in _lease_keys(app.conf):
         if name in APP_SETTING_NAMES:
             continue
@@ -350,8 +351,10 @@ def check_app_settings(app: Celery) -> None:
         if close:
             head = spelled[: len(spelled) - len(name)]  # the namespace prefix, if any
             tail = close[0].upper() if spelled[len(head) :].isupper() else close[0]
-            hint = f"; did you mean {head}{tail}?"
-        raise ImproperlyConfigured(f"unknown setting {spelled}{hint}")
+            hint = f"{head}{tail}"
+        unknown.append((spelled, hint))
+    if unknown:
+        raise ImproperlyConfigured(_unknown_message("unknown setting", unknown))
     if app.conf.get("lease_database_url") is None:
         schemes = network_broker_schemes(app)
         if schemes:
@@ -369,12 +372,31 @@ def check_task_options(task_name: str, options: list[str], known: set[str]) -> N
     Raises:
         ImproperlyConfigured: naming the task and the option, with the close match.
     """
+    unknown: list[tuple[str, str]] = []
     for option in options:
         if not option.startswith("lease_") or option in SETTING_NAMES or option in known:
             continue
         close = difflib.get_close_matches(option, SETTING_NAMES, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ImproperlyConfigured(f"task {task_name}: unknown option {option}{hint}")
+        unknown.append((option, close[0] if close else ""))
+    if unknown:
+        raise ImproperlyConfigured(
+            f"task {task_name}: " + _unknown_message("unknown option", unknown)
+        )
+
+
+def _unknown_message(what: str, names: list[tuple[str, str]]) -> str:
+    """Every unknown key with its close match, if any, in one line.
+
+    One: ``unknown setting a; did you mean b?``. Several: ``2 unknown settings:
+    a (did you mean b?), c``.
+    """
+    if len(names) == 1:
+        ((name, close),) = names
+        return f"{what} {name}" + (f"; did you mean {close}?" if close else "")
+    listed = ", ".join(
+        f"{name} (did you mean {close}?)" if close else name for name, close in names
+    )
+    return f"{len(names)} {what}s: {listed}"
 
 
 def network_broker_schemes(app: Celery) -> list[str]:

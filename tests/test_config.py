@@ -107,6 +107,22 @@ def test_unknown_lease_key_suggests_the_close_match() -> None:
         check_app_settings(app)
 
 
+def test_every_unknown_lease_key_is_reported_in_one_line() -> None:
+    """Two misspelled keys: both named, each with its close match, in one line."""
+    app = Celery("typos", set_as_current=False, broker="memory://")
+    app.conf.lease_secnds = 3
+    app.conf.lease_max_atempts = 2
+    app.conf.lease_frobnicate = 1
+    with pytest.raises(ImproperlyConfigured) as err:
+        check_app_settings(app)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("3 unknown settings: "), message
+    assert "lease_secnds (did you mean lease_seconds?)" in message
+    assert "lease_max_atempts (did you mean lease_max_attempts?)" in message
+    assert "lease_frobnicate" in message
+
+
 def test_unknown_key_in_a_celery_namespace_is_named_as_spelled() -> None:
     """Under config_from_object(namespace="CELERY") the key and hint keep the prefix."""
 
@@ -165,6 +181,25 @@ def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
 
     with pytest.raises(ImproperlyConfigured, match="unknown option lease_secnds; did you mean"):
         _check_worker_startup(app, "prefork")
+
+
+def test_every_unknown_task_option_is_reported_in_one_line(tmp_path: Any) -> None:
+    """Two misspelled task options: both named in one line, with their close matches."""
+    from celery_lease.worker import _check_worker_startup
+
+    app = Celery("opts", set_as_current=False, broker="memory://")
+    app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, lease_secnds=5, lease_max_atempts=2)
+    def charge(self: LeasedTask) -> None:
+        return None
+
+    with pytest.raises(ImproperlyConfigured) as err:
+        _check_worker_startup(app, "prefork")
+    message = str(err.value)
+    assert "2 unknown options: " in message and "\n" not in message
+    assert "lease_secnds (did you mean lease_seconds?)" in message
+    assert "lease_max_atempts (did you mean lease_max_attempts?)" in message
 
 
 def test_green_pool_is_found_by_the_pool_class_not_its_name(tmp_path: Any) -> None:
