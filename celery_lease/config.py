@@ -21,6 +21,8 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from .lease import safety_margin
+
 BUSY_POLICIES = ("retry", "skip", "fail")
 LOST_POLICIES = ("retry", "abort")
 SUPPORTED_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb")
@@ -128,10 +130,17 @@ class LeaseConfig:
             if heartbeat is None
             else _positive(conf, "lease_heartbeat_interval", heartbeat)
         )
-        if heartbeat_interval >= lease_seconds:
+        # A renewal moves the local deadline to its send time + lease_seconds - margin,
+        # and the next one is sent a heartbeat later: at or past that, no renewal can
+        # ever be confirmed in time and every attempt is lost.
+        local_deadline = lease_seconds - safety_margin(lease_seconds)
+        if heartbeat_interval >= local_deadline:
             raise ImproperlyConfigured(
                 f"lease_heartbeat_interval ({heartbeat_interval!r}) must be shorter than "
-                f"lease_seconds ({lease_seconds!r}): a lease would expire between renewals"
+                f"{local_deadline:.4g}s, the local deadline of a {lease_seconds!r}s lease "
+                f"(lease_seconds minus its {safety_margin(lease_seconds):.3g}s safety margin): "
+                "no renewal could be confirmed in time, every attempt would lose its lease "
+                "(the default is lease_seconds / 3)"
             )
         backoff = _positive(conf, "lease_retry_backoff", 2.0, MAX_BACKOFF_SECONDS)
         backoff_max = _positive(conf, "lease_retry_backoff_max", 600.0, MAX_BACKOFF_SECONDS)

@@ -17,6 +17,7 @@ INVALID: list[tuple[str, Any]] = [
     ("lease_seconds", "30"),
     ("lease_seconds", float("nan")),
     ("lease_heartbeat_interval", 0),
+    ("lease_heartbeat_interval", 27),  # at/after the local deadline (26.97 s of 30 s)
     ("lease_heartbeat_interval", 30),
     ("lease_heartbeat_interval", 45),
     ("lease_max_attempts", 0),
@@ -50,6 +51,23 @@ def test_invalid_value_names_the_key(key: str, value: Any) -> None:
     with pytest.raises(ImproperlyConfigured) as err:
         LeaseConfig.from_mapping(settings)
     assert key in str(err.value)
+
+
+def test_heartbeat_must_leave_a_renewal_before_the_local_deadline() -> None:
+    """The heartbeat is bounded by the lease's local deadline (lease minus its safety
+    margin), not by the lease itself: L = 3 s refuses 2.8 s, in one line naming the key."""
+    with pytest.raises(ImproperlyConfigured) as err:
+        LeaseConfig.from_mapping({"lease_seconds": 3, "lease_heartbeat_interval": 2.8})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("lease_heartbeat_interval (2.8) must be shorter than 2.697s")
+    assert "safety margin" in message
+    assert (
+        LeaseConfig.from_mapping(
+            {"lease_seconds": 3, "lease_heartbeat_interval": 2.6}
+        ).heartbeat_interval
+        == 2.6
+    )
 
 
 def test_defaults() -> None:
