@@ -12,10 +12,12 @@ import dataclasses
 import difflib
 import math
 import os
+import shlex
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
+import click
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
@@ -406,6 +408,19 @@ def _unknown_message(what: str, names: list[tuple[str, str]]) -> str:
         f"{name} (did you mean {close}?)" if close else name for name, close in names
     )
     return f"{len(names)} {what}s: {listed}"
+
+
+def celery_command(app: Celery) -> str:
+    """``celery -A <what names this app>``, for messages that tell the user what to run.
+
+    The ``-A`` value (or ``CELERY_APP``) this process was started with when it runs
+    under Celery's command line; else the app's main module name.
+    """
+    context = click.get_current_context(silent=True)
+    named = context.find_root().params.get("app") if context is not None else None
+    if not isinstance(named, str) or not named:
+        named = app.main if app.main and app.main != "__main__" else None
+    return f"celery -A {'<app>' if named is None else shlex.quote(named)}"
 
 
 def network_broker_schemes(app: Celery) -> list[str]:

@@ -272,7 +272,11 @@ def test_missing_sqlite_file_or_table_is_reported(cli: Cli, tmp_path: Path) -> N
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE app_table (x INTEGER)"))
     engine.dispose()
-    assert_one_line_error(cli("runs"), "has no celery_lease_runs table", "lease migrate")
+    assert_one_line_error(
+        cli("runs"), "has no celery_lease_runs table", "`celery -A tests.cli_app lease migrate`"
+    )
+    line = assert_one_line_error(cli("--database-url", cli.db_url, "runs"))
+    assert "`celery -A tests.cli_app lease --database-url " in line and "migrate`" in line
 
 
 def test_password_in_url_is_never_printed(cli: Cli, db_url: str) -> None:

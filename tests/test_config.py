@@ -243,3 +243,11 @@ def test_green_pool_is_found_by_the_pool_class_not_its_name(tmp_path: Any) -> No
     app.conf.lease_interrupt = True
     with pytest.raises(ImproperlyConfigured, match="gevent/eventlet"):
         _check_worker_startup(app, GreenPool)
+
+
+def test_celery_command_names_the_app_outside_the_command_line() -> None:
+    """Without Celery's command line, a message's ``celery -A`` names the app's main module."""
+    from celery_lease.config import celery_command
+
+    assert celery_command(Celery("proj", set_as_current=False)) == "celery -A proj"
+    assert celery_command(Celery(set_as_current=False)) == "celery -A <app>"

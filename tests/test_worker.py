@@ -224,7 +224,8 @@ def test_failed_mysql_authentication_refuses_to_start_worker(mysql_url: str) -> 
 def test_missing_table_refuses_to_start_worker(pg_url: str) -> None:
     """A server database without the runs table stops the worker: migrate first."""
     line = _start_refused({"CL_LEASE_DB": pg_url})
-    assert "no celery_lease_runs table" in line and "lease migrate" in line
+    assert "no celery_lease_runs table" in line
+    assert "`celery -A tests.workerapp lease migrate`" in line
 
 
 @pytest.mark.timeout(90)

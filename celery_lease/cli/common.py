@@ -19,6 +19,7 @@ import datetime
 import functools
 import json
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -27,7 +28,7 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from ..config import LeaseConfig
+from ..config import LeaseConfig, celery_command
 from ..errors import LeaseDatabaseError, LeaseError
 from ..owner import Owner
 from ..sanitize import safe_url, sanitize
@@ -145,9 +146,12 @@ def _open_store(ctx: click.Context) -> LeaseStore:
     store = LeaseStore.from_url(url)
     ctx.call_on_close(store.dispose)
     if not store.has_schema():
+        override = ctx.find_root().meta.get("celery_lease.override")
+        database = "" if override is None else f" --database-url {shlex.quote(shown)}"
         raise _Failure(
             f"lease database {shown} has no {TABLE_NAME} table: run "
-            "`celery -A <app> lease migrate` (or start a worker, on SQLite)"
+            f"`{celery_command(ctx.obj.app)} lease{database} migrate` (or start a worker, "
+            "on SQLite)"
         )
     return store
 
