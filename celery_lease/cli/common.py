@@ -223,6 +223,35 @@ def _short_owner(owner: str | None) -> str:
     return Owner.parse(owner).short() if owner else "-"
 
 
+#: The widest run id a table shows without ``--wide``: a task id (a UUID, 36) fits;
+#: a hashed id (``prefix:sha256:<hex>``, 172) is cut in the middle.
+ID_WIDTH = 40
+#: Characters kept from the end of a cut id (its hash or the distinctive part of a key).
+_ID_TAIL = 12
+_ELLIPSIS = "..."
+#: Printed under a table in which an id was cut.
+WIDE_HINT = f"(ids over {ID_WIDTH} characters are cut at {_ELLIPSIS!r}: --wide shows them whole)"
+
+
+def short_id(run_id: str, wide: bool = False) -> str:
+    """``run_id`` for a table: whole with ``wide``, else at most :data:`ID_WIDTH` characters,
+    cut in the middle with an ASCII ellipsis (its start and its end tell ids apart; ASCII,
+    since a terminal's encoding may not have U+2026)."""
+    if wide or len(run_id) <= ID_WIDTH:
+        return run_id
+    head = ID_WIDTH - len(_ELLIPSIS) - _ID_TAIL
+    return f"{run_id[:head]}{_ELLIPSIS}{run_id[-_ID_TAIL:]}"
+
+
+def wide_option(fun: F) -> F:
+    """The ``--wide`` flag of a command that prints run ids in a table."""
+    return click.option(
+        "--wide",
+        is_flag=True,
+        help=f"Show run ids whole (a table cuts those over {ID_WIDTH} characters).",
+    )(fun)
+
+
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A plain, left-aligned text table."""
     widths = [len(h) for h in headers]
