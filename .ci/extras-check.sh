@@ -31,10 +31,15 @@ engine.dispose()' "$CELERY_LEASE_TEST_PG_URL" "$1"
 cleanup() {
     set +e
     if [ -n "$worker_pid" ] && kill -0 "$worker_pid" 2>/dev/null; then
-        kill -TERM "$worker_pid"
+        local stop_started=$SECONDS
+        kill -TERM "$worker_pid"  # warm shutdown: the worker stops its pool children itself
         for _ in $(seq 200); do kill -0 "$worker_pid" 2>/dev/null || break; sleep 0.1; done
-        kill -0 "$worker_pid" 2>/dev/null && kill -KILL "$worker_pid"
+        if kill -0 "$worker_pid" 2>/dev/null; then
+            echo "extras-check: worker $worker_pid still up after 20 s: kill -9" >&2
+            kill -KILL "$worker_pid"
+        fi
         wait "$worker_pid" 2>/dev/null
+        echo "extras-check: worker stopped in $((SECONDS - stop_started)) s"
     fi
     if [ -x "$venv/bin/python" ]; then admin "DROP DATABASE IF EXISTS $database" >/dev/null 2>&1; fi
     rm -rf "$work"
