@@ -12,15 +12,18 @@ import dataclasses
 import difflib
 import math
 import os
+import shlex
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
+import click
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from .lease.lease import safety_margin
 from .store.databases import DATABASES
 
 BUSY_POLICIES = ("retry", "skip", "fail")
@@ -129,10 +132,17 @@ class LeaseConfig:
             if heartbeat is None
             else _positive(conf, "lease_heartbeat_interval", heartbeat)
         )
-        if heartbeat_interval >= lease_seconds:
+        # A renewal moves the local deadline to its send time + lease_seconds - margin,
+        # and the next one is sent a heartbeat later: at or past that, no renewal can
+        # ever be confirmed in time and every attempt is lost.
+        local_deadline = lease_seconds - safety_margin(lease_seconds)
+        if heartbeat_interval >= local_deadline:
             raise ImproperlyConfigured(
                 f"lease_heartbeat_interval ({heartbeat_interval!r}) must be shorter than "
-                f"lease_seconds ({lease_seconds!r}): a lease would expire between renewals"
+                f"{local_deadline:.4g}s, the local deadline of a {lease_seconds!r}s lease "
+                f"(lease_seconds minus its {safety_margin(lease_seconds):.3g}s safety margin): "
+                "no renewal could be confirmed in time, every attempt would lose its lease "
+                "(the default is lease_seconds / 3)"
             )
         backoff = _positive(conf, "lease_retry_backoff", 2.0, MAX_BACKOFF_SECONDS)
         backoff_max = _positive(conf, "lease_retry_backoff_max", 600.0, MAX_BACKOFF_SECONDS)
@@ -343,6 +353,7 @@ def check_app_settings(app: Celery) -> None:
             the close match, as the key was spelled, namespace included), or the
             default per-host SQLite file behind a broker that spans hosts.
     """
+    unknown: list[tuple[str, str]] = []
     for spelled, name in _lease_keys(app.conf):
         if name in APP_SETTING_NAMES:
             continue
@@ -351,8 +362,10 @@ def check_app_settings(app: Celery) -> None:
         if close:
             head = spelled[: len(spelled) - len(name)]  # the namespace prefix, if any
             tail = close[0].upper() if spelled[len(head) :].isupper() else close[0]
-            hint = f"; did you mean {head}{tail}?"
-        raise ImproperlyConfigured(f"unknown setting {spelled}{hint}")
+            hint = f"{head}{tail}"
+        unknown.append((spelled, hint))
+    if unknown:
+        raise ImproperlyConfigured(_unknown_message("unknown setting", unknown))
     if app.conf.get("lease_database_url") is None:
         schemes = network_broker_schemes(app)
         if schemes:
@@ -370,12 +383,44 @@ def check_task_options(task_name: str, options: list[str], known: set[str]) -> N
     Raises:
         ImproperlyConfigured: naming the task and the option, with the close match.
     """
+    unknown: list[tuple[str, str]] = []
     for option in options:
         if not option.startswith("lease_") or option in SETTING_NAMES or option in known:
             continue
         close = difflib.get_close_matches(option, SETTING_NAMES, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ImproperlyConfigured(f"task {task_name}: unknown option {option}{hint}")
+        unknown.append((option, close[0] if close else ""))
+    if unknown:
+        raise ImproperlyConfigured(
+            f"task {task_name}: " + _unknown_message("unknown option", unknown)
+        )
+
+
+def _unknown_message(what: str, names: list[tuple[str, str]]) -> str:
+    """Every unknown key with its close match, if any, in one line.
+
+    One: ``unknown setting a; did you mean b?``. Several: ``2 unknown settings:
+    a (did you mean b?), c``.
+    """
+    if len(names) == 1:
+        ((name, close),) = names
+        return f"{what} {name}" + (f"; did you mean {close}?" if close else "")
+    listed = ", ".join(
+        f"{name} (did you mean {close}?)" if close else name for name, close in names
+    )
+    return f"{len(names)} {what}s: {listed}"
+
+
+def celery_command(app: Celery) -> str:
+    """``celery -A <what names this app>``, for messages that tell the user what to run.
+
+    The ``-A`` value (or ``CELERY_APP``) this process was started with when it runs
+    under Celery's command line; else the app's main module name.
+    """
+    context = click.get_current_context(silent=True)
+    named = context.find_root().params.get("app") if context is not None else None
+    if not isinstance(named, str) or not named:
+        named = app.main if app.main and app.main != "__main__" else None
+    return f"celery -A {'<app>' if named is None else shlex.quote(named)}"
 
 
 def network_broker_schemes(app: Celery) -> list[str]:

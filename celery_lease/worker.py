@@ -22,7 +22,7 @@ from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 
-from .config import LeaseConfig, check_app_settings, check_task_options
+from .config import LeaseConfig, celery_command, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
 from .requeue import SweepReport, requeue_all
 from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
@@ -169,7 +169,7 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
     if not present:
         raise ImproperlyConfigured(
             f"lease_database_url ({shown}) has no celery_lease_runs table: run "
-            "`celery -A <app> lease migrate` first"
+            f"`{celery_command(app)} lease migrate` first"
         )
 
 

@@ -141,6 +141,28 @@ def test_runs_lists_filters_and_prints_json(cli: Cli, store: LeaseStore) -> None
     assert "no runs match" in cli.ok("runs", "--status", "cancelled")
 
 
+def test_tables_cut_long_run_ids_and_wide_shows_them_whole(cli: Cli, store: LeaseStore) -> None:
+    """A hashed run id (172 characters) is cut in the middle in `runs` and `top`, which
+    then keep their rows within 120 columns and say so; --wide prints it whole."""
+    from celery_lease.runids import fit_run_id
+
+    long_id = fit_run_id("invoice:" + "x" * 300)
+    assert len(long_id) > 150
+    claimed = store.claim(
+        long_id, "host:4242:secret", task_name="cli_app.charge", lease_ms=60_000, max_attempts=3
+    )
+    assert claimed.outcome == "claimed"
+    short = long_id[:25] + "..." + long_id[-12:]
+    for command in (("runs",), ("top", "--once")):
+        table = cli.ok(*command)
+        assert long_id not in table and short in table, table
+        assert "--wide shows them whole" in table
+        rows = [line for line in table.splitlines() if line.startswith(("ID ", short))]
+        assert len(rows) == 2 and max(len(row) for row in rows) <= 120, table
+        wide = cli.ok(*command, "--wide")
+        assert long_id in wide and "--wide shows" not in wide
+
+
 def test_show_prints_every_column_and_time_left(cli: Cli, store: LeaseStore) -> None:
     """`lease show` prints all columns, readable times and the lease's time left (DB clock)."""
     claim(store, "run-s", lease_ms=60_000)
@@ -272,7 +294,11 @@ def test_missing_sqlite_file_or_table_is_reported(cli: Cli, tmp_path: Path) -> N
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE app_table (x INTEGER)"))
     engine.dispose()
-    assert_one_line_error(cli("runs"), "has no celery_lease_runs table", "lease migrate")
+    assert_one_line_error(
+        cli("runs"), "has no celery_lease_runs table", "`celery -A tests.cli_app lease migrate`"
+    )
+    line = assert_one_line_error(cli("--database-url", cli.db_url, "runs"))
+    assert "`celery -A tests.cli_app lease --database-url " in line and "migrate`" in line
 
 
 def test_password_in_url_is_never_printed(cli: Cli, db_url: str) -> None:

@@ -17,6 +17,7 @@ INVALID: list[tuple[str, Any]] = [
     ("lease_seconds", "30"),
     ("lease_seconds", float("nan")),
     ("lease_heartbeat_interval", 0),
+    ("lease_heartbeat_interval", 27),  # at/after the local deadline (26.97 s of 30 s)
     ("lease_heartbeat_interval", 30),
     ("lease_heartbeat_interval", 45),
     ("lease_max_attempts", 0),
@@ -50,6 +51,23 @@ def test_invalid_value_names_the_key(key: str, value: Any) -> None:
     with pytest.raises(ImproperlyConfigured) as err:
         LeaseConfig.from_mapping(settings)
     assert key in str(err.value)
+
+
+def test_heartbeat_must_leave_a_renewal_before_the_local_deadline() -> None:
+    """The heartbeat is bounded by the lease's local deadline (lease minus its safety
+    margin), not by the lease itself: L = 3 s refuses 2.8 s, in one line naming the key."""
+    with pytest.raises(ImproperlyConfigured) as err:
+        LeaseConfig.from_mapping({"lease_seconds": 3, "lease_heartbeat_interval": 2.8})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("lease_heartbeat_interval (2.8) must be shorter than 2.697s")
+    assert "safety margin" in message
+    assert (
+        LeaseConfig.from_mapping(
+            {"lease_seconds": 3, "lease_heartbeat_interval": 2.6}
+        ).heartbeat_interval
+        == 2.6
+    )
 
 
 def test_defaults() -> None:
@@ -105,6 +123,22 @@ def test_unknown_lease_key_suggests_the_close_match() -> None:
     app.conf.lease_secnds = 3
     with pytest.raises(ImproperlyConfigured, match=r"lease_secnds; did you mean lease_seconds\?"):
         check_app_settings(app)
+
+
+def test_every_unknown_lease_key_is_reported_in_one_line() -> None:
+    """Two misspelled keys: both named, each with its close match, in one line."""
+    app = Celery("typos", set_as_current=False, broker="memory://")
+    app.conf.lease_secnds = 3
+    app.conf.lease_max_atempts = 2
+    app.conf.lease_frobnicate = 1
+    with pytest.raises(ImproperlyConfigured) as err:
+        check_app_settings(app)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("3 unknown settings: "), message
+    assert "lease_secnds (did you mean lease_seconds?)" in message
+    assert "lease_max_atempts (did you mean lease_max_attempts?)" in message
+    assert "lease_frobnicate" in message
 
 
 def test_unknown_key_in_a_celery_namespace_is_named_as_spelled() -> None:
@@ -167,6 +201,25 @@ def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
         _check_worker_startup(app, "prefork")
 
 
+def test_every_unknown_task_option_is_reported_in_one_line(tmp_path: Any) -> None:
+    """Two misspelled task options: both named in one line, with their close matches."""
+    from celery_lease.worker import _check_worker_startup
+
+    app = Celery("opts", set_as_current=False, broker="memory://")
+    app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, lease_secnds=5, lease_max_atempts=2)
+    def charge(self: LeasedTask) -> None:
+        return None
+
+    with pytest.raises(ImproperlyConfigured) as err:
+        _check_worker_startup(app, "prefork")
+    message = str(err.value)
+    assert "2 unknown options: " in message and "\n" not in message
+    assert "lease_secnds (did you mean lease_seconds?)" in message
+    assert "lease_max_atempts (did you mean lease_max_attempts?)" in message
+
+
 def test_green_pool_is_found_by_the_pool_class_not_its_name(tmp_path: Any) -> None:
     """Celery's pool classes say whether they run green threads (``is_green``): on one,
     lease_interrupt=True is refused at worker start, and unset it is turned off."""
@@ -190,3 +243,11 @@ def test_green_pool_is_found_by_the_pool_class_not_its_name(tmp_path: Any) -> No
     app.conf.lease_interrupt = True
     with pytest.raises(ImproperlyConfigured, match="gevent/eventlet"):
         _check_worker_startup(app, GreenPool)
+
+
+def test_celery_command_names_the_app_outside_the_command_line() -> None:
+    """Without Celery's command line, a message's ``celery -A`` names the app's main module."""
+    from celery_lease.config import celery_command
+
+    assert celery_command(Celery("proj", set_as_current=False)) == "celery -A proj"
+    assert celery_command(Celery(set_as_current=False)) == "celery -A <app>"

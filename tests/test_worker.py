@@ -157,6 +157,17 @@ def test_unknown_lease_key_refuses_to_start_worker(sqlite_url: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_heartbeat_past_the_local_deadline_refuses_to_start_worker(sqlite_url: str) -> None:
+    """L = 3 s with a 2.8 s heartbeat (under L, past its 2.697 s local deadline) would lose
+    every lease before its first renewal: the worker exits non-zero, naming the key."""
+    line = _start_refused(
+        {"CL_LEASE_DB": sqlite_url, "CL_LEASE_SECONDS": "3", "CL_HEARTBEAT": "2.8"}
+    )
+    assert "lease_heartbeat_interval (2.8) must be shorter than 2.697s" in line
+    assert "safety margin" in line
+
+
+@pytest.mark.timeout(60)
 def test_default_sqlite_behind_redis_refuses_to_start_worker() -> None:
     """No lease_database_url with a Redis broker: per-host SQLite files would not coordinate."""
     line = _start_refused({"CL_LEASE_DB": "", "CL_BROKER_URL": "redis://127.0.0.1:1/0"})
@@ -213,7 +224,8 @@ def test_failed_mysql_authentication_refuses_to_start_worker(mysql_url: str) -> 
 def test_missing_table_refuses_to_start_worker(pg_url: str) -> None:
     """A server database without the runs table stops the worker: migrate first."""
     line = _start_refused({"CL_LEASE_DB": pg_url})
-    assert "no celery_lease_runs table" in line and "lease migrate" in line
+    assert "no celery_lease_runs table" in line
+    assert "`celery -A tests.workerapp lease migrate`" in line
 
 
 @pytest.mark.timeout(90)

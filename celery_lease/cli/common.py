@@ -19,6 +19,7 @@ import datetime
 import functools
 import json
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -27,7 +28,7 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from ..config import LeaseConfig
+from ..config import LeaseConfig, celery_command
 from ..errors import LeaseDatabaseError, LeaseError
 from ..owner import Owner
 from ..sanitize import safe_url, sanitize
@@ -145,9 +146,12 @@ def _open_store(ctx: click.Context) -> LeaseStore:
     store = LeaseStore.from_url(url)
     ctx.call_on_close(store.dispose)
     if not store.has_schema():
+        override = ctx.find_root().meta.get("celery_lease.override")
+        database = "" if override is None else f" --database-url {shlex.quote(shown)}"
         raise _Failure(
             f"lease database {shown} has no {TABLE_NAME} table: run "
-            "`celery -A <app> lease migrate` (or start a worker, on SQLite)"
+            f"`{celery_command(ctx.obj.app)} lease{database} migrate` (or start a worker, "
+            "on SQLite)"
         )
     return store
 
@@ -217,6 +221,35 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
 def _short_owner(owner: str | None) -> str:
     """``host:pid`` of an owner (its random part only matters to the guard)."""
     return Owner.parse(owner).short() if owner else "-"
+
+
+#: The widest run id a table shows without ``--wide``: a task id (a UUID, 36) fits;
+#: a hashed id (``prefix:sha256:<hex>``, 172) is cut in the middle.
+ID_WIDTH = 40
+#: Characters kept from the end of a cut id (its hash or the distinctive part of a key).
+_ID_TAIL = 12
+_ELLIPSIS = "..."
+#: Printed under a table in which an id was cut.
+WIDE_HINT = f"(ids over {ID_WIDTH} characters are cut at {_ELLIPSIS!r}: --wide shows them whole)"
+
+
+def short_id(run_id: str, wide: bool = False) -> str:
+    """``run_id`` for a table: whole with ``wide``, else at most :data:`ID_WIDTH` characters,
+    cut in the middle with an ASCII ellipsis (its start and its end tell ids apart; ASCII,
+    since a terminal's encoding may not have U+2026)."""
+    if wide or len(run_id) <= ID_WIDTH:
+        return run_id
+    head = ID_WIDTH - len(_ELLIPSIS) - _ID_TAIL
+    return f"{run_id[:head]}{_ELLIPSIS}{run_id[-_ID_TAIL:]}"
+
+
+def wide_option(fun: F) -> F:
+    """The ``--wide`` flag of a command that prints run ids in a table."""
+    return click.option(
+        "--wide",
+        is_flag=True,
+        help=f"Show run ids whole (a table cuts those over {ID_WIDTH} characters).",
+    )(fun)
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

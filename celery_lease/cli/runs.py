@@ -21,6 +21,7 @@ from ..store import RunNotFound, RunNotRerunnable, RunRecord
 from .common import (
     RECORD_FIELDS,
     TIME_FIELDS,
+    WIDE_HINT,
     _echo_json,
     _Failure,
     _open_store,
@@ -33,6 +34,8 @@ from .common import (
     lease_left,
     record_data,
     render_table,
+    short_id,
+    wide_option,
 )
 
 
@@ -41,10 +44,16 @@ from .common import (
 @click.option("--task", "task_name", default=None, metavar="NAME", help="Only this task name.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (times in epoch ms).")
+@wide_option
 @click.pass_context
 @_operator_errors
 def runs(
-    ctx: click.Context, status: str | None, task_name: str | None, limit: int, as_json: bool
+    ctx: click.Context,
+    status: str | None,
+    task_name: str | None,
+    limit: int,
+    as_json: bool,
+    wide: bool,
 ) -> None:
     """List runs, newest first."""
     store = _open_store(ctx)
@@ -58,7 +67,7 @@ def runs(
         return
     rows = [
         (
-            r.id,
+            short_id(r.id, wide),
             r.task_name,
             r.status + (" (cancel requested)" if r.cancel_requested_at and not r.terminal else ""),
             f"{r.attempt}/{r.max_attempts}",
@@ -71,6 +80,8 @@ def runs(
     ]
     headers = ("ID", "TASK", "STATUS", "ATTEMPT", "OWNER", "LEASE", "UPDATED", "FAILURE")
     click.echo(render_table(headers, rows))
+    if any(row[0] != r.id for row, r in zip(rows, records, strict=True)):
+        click.echo(WIDE_HINT)
 
 
 @lease.command()

@@ -22,8 +22,11 @@ _ALT_ON, _ALT_OFF = "\x1b[?1049h", "\x1b[?1049l"
 _CURSOR_OFF, _CURSOR_ON = "\x1b[?25l", "\x1b[?25h"
 
 
-def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
-    """One frame of ``lease top``: live counts, recent activity, the live leases."""
+def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False) -> str:
+    """One frame of ``lease top``: live counts, recent activity, the live leases.
+
+    Run ids longer than :data:`~celery_lease.cli.common.ID_WIDTH` are cut unless ``wide``.
+    """
     activity = store.activity(store.now_ms())
     leases = store.live_leases(limit)
     now = activity.now
@@ -44,7 +47,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
         left = "-" if r.lease_expires_at is None else r.lease_expires_at - now
         rows.append(
             (
-                r.id,
+                common.short_id(r.id, wide),
                 r.task_name,
                 common._short_owner(r.lease_owner),
                 f"{r.attempt}/{r.max_attempts}",
@@ -59,6 +62,8 @@ def render_top(store: LeaseStore, shown_url: str, limit: int) -> str:
     if rows:
         headers = ("ID", "TASK", "OWNER", "ATTEMPT", "LEFT", "HEARTBEAT", "CANCEL", "RUNNING FOR")
         lines.append(common.render_table(headers, rows))
+        if any(row[0] != r.id for row, r in zip(rows, leases, strict=True)):
+            lines.append(common.WIDE_HINT)
         if counts[RUNNING] > len(rows):
             lines.append(f"... {counts[RUNNING] - len(rows)} more (--limit)")
     else:
@@ -87,9 +92,10 @@ def _time_left(ms: int) -> str:
     help="Live leases shown (soonest expiry first).",
 )
 @click.option("--once", is_flag=True, help="Print one frame, without terminal control codes.")
+@common.wide_option
 @click.pass_context
 @_operator_errors
-def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
+def top(ctx: click.Context, interval: float, limit: int, once: bool, wide: bool) -> None:
     """A live view of the leases, refreshed in place, until Ctrl-C.
 
     Shows the running runs (owner, attempt, lease time left, heartbeat age,
@@ -99,7 +105,7 @@ def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
     store = _open_store(ctx)
     shown = str(ctx.meta.get(_URL_KEY, "?"))
     if once:
-        click.echo(render_top(store, shown, limit))
+        click.echo(render_top(store, shown, limit, wide))
         return
     out = sys.stdout
     tty = out.isatty()
@@ -107,7 +113,7 @@ def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
         out.write(_ALT_ON + _CURSOR_OFF)
     try:
         while True:
-            frame = render_top(store, shown, limit)
+            frame = render_top(store, shown, limit, wide)
             # Piped (a log, `watch`-less scripts): frames one after another, no codes.
             out.write((_HOME_CLEAR if tty else "") + frame + "\n\n")
             out.flush()
