@@ -295,19 +295,23 @@ def _on_worker_shutting_down(app: Celery, how: str) -> None:
         requeue_all(app, released, SweepReport(), "handoff", runtime.store)
 
 
-def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+def _on_task_revoked(
+    sender: Any = None, request: Any = None, expired: bool = False, **kwargs: Any
+) -> None:
     """``revoke()``, ``revoke(terminate=True)`` or an expired message: cancel the run.
 
     Only the run's own delivery (same task id) cancels it: a revoked or expired
-    duplicate of a keyed run leaves the run alone. Runs in the worker's main
-    process; a failure is logged, never raised.
+    duplicate of a keyed run leaves the run alone. An expired message cancels a
+    run only while it waits (queued, retrying): a running run is another
+    delivery's (a redelivered copy of its message expired on arrival), and goes
+    on. Runs in the worker's main process; a failure is logged, never raised.
     """
     if not isinstance(sender, LeasedTask) or request is None or not request.id:
         return
     try:
         run_id = sender.run_id_of(request)
         store = runtime_for(sender.app, sender.lease_config()).store
-        status = store.cancel(run_id, task_id=request.id)
+        status = store.cancel(run_id, task_id=request.id, running=not expired)
     except RunNotFound:
         return  # revoked before any claim: nothing recorded, nothing to end
     except Exception as exc:
@@ -321,7 +325,9 @@ def _on_task_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
         "celery-lease: task %s revoked: run %s is %s",
         request.id,
         run_id,
-        "cancel-requested" if status == "running" else status,
+        ("left running (an expired copy)" if expired else "cancel-requested")
+        if status == "running"
+        else status,
         extra={"lease_event": "revoked", "run_id": run_id},
     )
 

@@ -957,13 +957,15 @@ class LeaseStore:
             return conn.execute(stmt).rowcount == 1
 
     @_db_errors
-    def cancel(self, run_id: str, *, task_id: str | None = None) -> str:
+    def cancel(self, run_id: str, *, task_id: str | None = None, running: bool = True) -> str:
         """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
 
         Returns the resulting status (``cancelled``, or ``running`` with
         ``cancel_requested_at`` set, or the status it has when nothing changed).
         With ``task_id``, only a run whose own delivery has that Celery task id
         is touched (a revoked duplicate never cancels the run it duplicates).
+        With ``running=False`` a running run is left alone (an expired copy of
+        its message must not stop the delivery that runs it).
         Raises :class:`RunNotFound` for an unknown id.
         """
         now = db_now_ms()
@@ -995,7 +997,7 @@ class LeaseStore:
         with self._auto.connect() as conn:
             if conn.execute(at_once).rowcount == 1:
                 return schema.CANCELLED
-            if conn.execute(request).rowcount == 1:
+            if running and conn.execute(request).rowcount == 1:
                 return schema.RUNNING
             row = conn.execute(
                 select(runs.c.status, runs.c.task_id).where(runs.c.id == run_id)
@@ -1003,8 +1005,11 @@ class LeaseStore:
         if row is None:
             raise RunNotFound(run_id)
         status, own_task_id = row
+        if status == schema.RUNNING and not running:
+            return str(status)
         if status not in schema.TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
-            return self.cancel(run_id, task_id=task_id)  # it changed status between statements
+            # It changed status between the statements: try again.
+            return self.cancel(run_id, task_id=task_id, running=running)
         return str(status)
 
     @_db_errors
