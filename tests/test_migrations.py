@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,101 @@ def test_migrate_waits_a_bounded_time_for_the_lock(db_url: str, tmp_path: Path) 
     assert len(lines) == 1 and "held the migration lock for more than 1 s" in lines[0], lines
     assert 0.9 <= waited < 20
     assert upgrade(db_url).after == head()  # and the lock is free again
+
+
+def _ddl_waiting(conn: Any) -> bool:
+    """True while another session's index build waits for a lock on the runs table."""
+    if conn.dialect.name == "postgresql":
+        query = (
+            "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            " AND query ILIKE '%%CREATE INDEX%%' AND wait_event_type = 'Lock'"
+        )
+    else:
+        query = (
+            "SELECT count(*) FROM information_schema.processlist WHERE id <> CONNECTION_ID()"
+            " AND (info LIKE '%%CREATE INDEX%%' OR info LIKE '%%ADD INDEX%%')"
+            " AND state LIKE '%%metadata lock%%'"
+        )
+    return bool(conn.exec_driver_sql(query).scalar())
+
+
+class _Heartbeats(threading.Thread):
+    """Renews one lease every 0.2 s, recording each renewal's latency and whether it held."""
+
+    def __init__(self, store: LeaseStore, key: tuple[str, str, int]) -> None:
+        super().__init__(daemon=True)
+        self.store, self.key = store, key
+        self.stop = threading.Event()
+        self.beats: list[tuple[float, bool]] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            started = time.monotonic()
+            result = self.store.heartbeat([self.key])
+            self.beats.append((time.monotonic() - started, self.key in result.renewed))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_migrate_beside_a_fenced_transaction_blocks_no_heartbeat(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """`lease migrate` 0003 -> head while a fence holds a run's row: heartbeats keep renewing.
+
+    One run's fence transaction stays open (as a worker committing its writes
+    holds it) while another run's lease is renewed every 0.2 s. The index build
+    must not queue those renewals behind the open fence: each renewal stays
+    fast, the 3 s lease is never lost, and migrate finishes once the fence commits.
+    """
+    url = str(request.getfixturevalue({"postgresql": "pg_url"}.get(backend, "mysql_url")))
+    upgrade(url, "0003")
+    store = LeaseStore.from_url(url)
+    fenced = store.claim("fenced", "o:1:a", task_name="t", lease_ms=60_000, max_attempts=3)
+    beating = store.claim("beating", "o:2:b", task_name="t", lease_ms=3_000, max_attempts=3)
+    heartbeats = _Heartbeats(store, ("beating", "o:2:b", beating.attempt))
+    engine = create_engine(url)
+    proc = None
+    try:
+        with engine.connect() as fence_conn, engine.connect() as watch:
+            fence_tx = fence_conn.begin()
+            store.fence(fence_conn, "fenced", "o:1:a", fenced.attempt, complete=True)
+            heartbeats.start()
+            proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease"),
+                    *("--database-url", url, "migrate"),
+                ],
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                cwd=str(REPO),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            deadline = time.monotonic() + 30
+            while not _ddl_waiting(watch):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "migrate never reached the index build"
+                watch.rollback()
+                time.sleep(0.1)
+            time.sleep(4.0)  # the fence stays open past a lease's renewal window
+            fence_tx.commit()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        heartbeats.stop.set()
+        heartbeats.join(timeout=30)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        engine.dispose()
+    assert proc.returncode == 0 and "-> 0004" in out, out
+    slowest = max(latency for latency, _ in heartbeats.beats)
+    # MySQL's online DDL still waits for an exclusive metadata lock at its start and end,
+    # queueing writes behind it for at most its lock_wait_timeout (1 s) per try.
+    assert slowest < (1.5 if backend == "postgresql" else 2.5), heartbeats.beats
+    assert all(held for _, held in heartbeats.beats), heartbeats.beats
+    assert len(heartbeats.beats) >= 10, heartbeats.beats
+    rows = {run: store.get(run) for run in ("fenced", "beating")}
+    assert rows["fenced"] is not None and rows["fenced"].status == "succeeded"
+    assert rows["beating"] is not None and rows["beating"].status == "running"
+    store.dispose()
+    assert _differences(url) == []
