@@ -25,6 +25,8 @@ def _configure(connection: Connection) -> None:
         include_name=include_name,
         compare_type=True,
         render_as_batch=connection.dialect.name == "sqlite",
+        # One transaction per revision: an online index build must run outside any.
+        transaction_per_migration=True,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -1,5 +1,8 @@
 """Index finished rows by (status, finished_at) for retention and purge.
 
+Built online (see :mod:`celery_lease.migrations.online`): ``CONCURRENTLY`` on
+PostgreSQL, ``ALGORITHM=INPLACE, LOCK=NONE`` on MySQL/MariaDB.
+
 Revision ID: 0004
 Revises: 0003
 Create Date: 2026-12-03
@@ -8,6 +11,8 @@ Create Date: 2026-12-03
 from __future__ import annotations
 
 from alembic import op
+
+from celery_lease.migrations.online import ddl
 
 revision = "0004"
 down_revision = "0003"
@@ -19,7 +24,7 @@ INDEX = "ix_celery_lease_runs_status_finished"
 
 def upgrade() -> None:
     """Create the index the retention sweep and ``lease purge`` read in order."""
-    op.create_index(INDEX, "celery_lease_runs", ["status", "finished_at"])
+    ddl().create_index(INDEX, "celery_lease_runs", ["status", "finished_at"])
 
 
 def downgrade() -> None:
