@@ -12,13 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
 from celery_lease.errors import LeaseError
-from celery_lease.migrations import VERSION_TABLE, MigrationError, head, upgrade
+from celery_lease.migrations import (
+    VERSION_TABLE,
+    MigrationError,
+    alembic_config,
+    head,
+    upgrade,
+)
 from celery_lease.migrations.lock import migration_lock
 from celery_lease.schema import TABLE_NAME, metadata
 from celery_lease.store import LeaseStore
@@ -411,3 +418,22 @@ def test_invalid_index_left_by_a_failed_concurrent_build_is_rebuilt(pg_url: str)
     finally:
         engine.dispose()
     assert _differences(pg_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_alembic_by_url_downgrades_and_upgrades_0004_online(db_url: str) -> None:
+    """Alembic run by URL owns its transactions: 0004 drops and rebuilds its index online."""
+    upgrade(db_url)
+    command.downgrade(alembic_config(url=db_url), "0003")
+    assert "ix_celery_lease_runs_status_finished" not in _index_names(db_url)
+    command.upgrade(alembic_config(url=db_url), "head")
+    assert "ix_celery_lease_runs_status_finished" in _index_names(db_url)
+    assert _differences(db_url) == []
+
+
+def _index_names(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return {str(index["name"]) for index in inspect(engine).get_indexes(TABLE_NAME)}
+    finally:
+        engine.dispose()

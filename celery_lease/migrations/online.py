@@ -51,8 +51,12 @@ class OnlineDDL:
         op.add_column(table, column)
 
     def create_index(self, name: str, table: str, columns: Sequence[str]) -> None:
-        """Create an index while lease writes go on."""
+        """Create an index (subclasses: without holding up lease writes)."""
         op.create_index(name, table, list(columns))
+
+    def drop_index(self, name: str, table: str) -> None:
+        """Drop an index (subclasses: without holding up lease writes)."""
+        op.drop_index(name, table_name=table)
 
     def bounded(self, change: Callable[[], None]) -> None:
         """Run ``change`` (one DDL statement) with a bounded lock wait."""
@@ -93,13 +97,39 @@ class PostgresDDL(OnlineDDL):
         self.bounded(lambda: op.add_column(table, column))
 
     def create_index(self, name: str, table: str, columns: Sequence[str]) -> None:
-        """Build the index concurrently; drop an ``INVALID`` leftover first."""
+        """Build the index concurrently; drop an ``INVALID`` leftover first.
+
+        Inside a caller's own transaction (``alembic_config(connection)`` used
+        by hand) nothing can run outside it: a plain build, under a bounded wait.
+        """
         context = op.get_context()
+        if not context.opts.get("celery_lease_own_transactions"):
+            self.bounded(lambda: op.create_index(name, table, list(columns)))
+            return
         with context.autocommit_block():
             connection = op.get_bind()
             connection.exec_driver_sql(f"SET lock_timeout = '{_ms(LOCK_TIMEOUT)}ms'")
             try:
                 _retry(lambda: self._build(connection, name, table, columns), self._timed_out)
+            finally:
+                connection.exec_driver_sql("RESET lock_timeout")
+
+    def drop_index(self, name: str, table: str) -> None:
+        """``DROP INDEX CONCURRENTLY`` outside the transaction (plain inside a caller's)."""
+        context = op.get_context()
+        if not context.opts.get("celery_lease_own_transactions"):
+            self.bounded(lambda: op.drop_index(name, table_name=table))
+            return
+        with context.autocommit_block():
+            connection = op.get_bind()
+            connection.exec_driver_sql(f"SET lock_timeout = '{_ms(LOCK_TIMEOUT)}ms'")
+            try:
+                _retry(
+                    lambda: op.drop_index(
+                        name, table_name=table, postgresql_concurrently=True, if_exists=True
+                    ),
+                    self._timed_out,
+                )
             finally:
                 connection.exec_driver_sql("RESET lock_timeout")
 
@@ -150,6 +180,11 @@ class MySQLDDL(OnlineDDL):
                 f"CREATE INDEX {name} ON {table} ({listed}) ALGORITHM=INPLACE LOCK=NONE"
             )
         )
+
+    def drop_index(self, name: str, table: str) -> None:
+        """``DROP INDEX, ALGORITHM=INPLACE, LOCK=NONE``."""
+        statement = f"ALTER TABLE {table} DROP INDEX {name}, ALGORITHM=INPLACE, LOCK=NONE"
+        self.bounded(lambda: op.execute(statement))
 
 
 def _ms(seconds: float) -> int:

@@ -10,8 +10,6 @@ Create Date: 2026-12-03
 
 from __future__ import annotations
 
-from alembic import op
-
 from celery_lease.migrations.online import ddl
 
 revision = "0004"
@@ -29,4 +27,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     """Drop the retention index."""
-    op.drop_index(INDEX, table_name="celery_lease_runs")
+    ddl().drop_index(INDEX, "celery_lease_runs")
