@@ -102,34 +102,29 @@ class PostgresDDL(OnlineDDL):
         Inside a caller's own transaction (``alembic_config(connection)`` used
         by hand) nothing can run outside it: a plain build, under a bounded wait.
         """
-        context = op.get_context()
-        if not context.opts.get("celery_lease_own_transactions"):
+        if not _own_transactions():
             self.bounded(lambda: op.create_index(name, table, list(columns)))
             return
-        with context.autocommit_block():
-            connection = op.get_bind()
-            connection.exec_driver_sql(f"SET lock_timeout = '{_ms(LOCK_TIMEOUT)}ms'")
-            try:
-                _retry(lambda: self._build(connection, name, table, columns), self._timed_out)
-            finally:
-                connection.exec_driver_sql("RESET lock_timeout")
+        self._concurrently(lambda: self._build(op.get_bind(), name, table, columns))
 
     def drop_index(self, name: str, table: str) -> None:
         """``DROP INDEX CONCURRENTLY`` outside the transaction (plain inside a caller's)."""
-        context = op.get_context()
-        if not context.opts.get("celery_lease_own_transactions"):
+        if not _own_transactions():
             self.bounded(lambda: op.drop_index(name, table_name=table))
             return
-        with context.autocommit_block():
+        self._concurrently(
+            lambda: op.drop_index(
+                name, table_name=table, postgresql_concurrently=True, if_exists=True
+            )
+        )
+
+    def _concurrently(self, change: Callable[[], None]) -> None:
+        """Run ``change`` outside any transaction under a session ``lock_timeout``, retrying."""
+        with op.get_context().autocommit_block():
             connection = op.get_bind()
             connection.exec_driver_sql(f"SET lock_timeout = '{_ms(LOCK_TIMEOUT)}ms'")
             try:
-                _retry(
-                    lambda: op.drop_index(
-                        name, table_name=table, postgresql_concurrently=True, if_exists=True
-                    ),
-                    self._timed_out,
-                )
+                _retry(change, self._timed_out)
             finally:
                 connection.exec_driver_sql("RESET lock_timeout")
 
@@ -185,6 +180,11 @@ class MySQLDDL(OnlineDDL):
         """``DROP INDEX, ALGORITHM=INPLACE, LOCK=NONE``."""
         statement = f"ALTER TABLE {table} DROP INDEX {name}, ALGORITHM=INPLACE, LOCK=NONE"
         self.bounded(lambda: op.execute(statement))
+
+
+def _own_transactions() -> bool:
+    """Whether this run may commit and step outside a transaction (set by ``env.py``)."""
+    return bool(op.get_context().opts.get("celery_lease_own_transactions"))
 
 
 def _ms(seconds: float) -> int:
