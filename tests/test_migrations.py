@@ -5,16 +5,27 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import OperationalError
 
-from celery_lease.migrations import VERSION_TABLE, MigrationError, head, upgrade
+from celery_lease.errors import LeaseError
+from celery_lease.migrations import (
+    VERSION_TABLE,
+    MigrationError,
+    alembic_config,
+    head,
+    upgrade,
+)
 from celery_lease.migrations.lock import migration_lock
 from celery_lease.schema import TABLE_NAME, metadata
 from celery_lease.store import LeaseStore
@@ -225,3 +236,204 @@ def test_migrate_waits_a_bounded_time_for_the_lock(db_url: str, tmp_path: Path) 
     assert len(lines) == 1 and "held the migration lock for more than 1 s" in lines[0], lines
     assert 0.9 <= waited < 20
     assert upgrade(db_url).after == head()  # and the lock is free again
+
+
+def _ddl_waiting(conn: Any) -> bool:
+    """True while another session's DDL waits for a lock on the runs table."""
+    if conn.dialect.name == "postgresql":
+        query = (
+            "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            " AND (query ILIKE '%%CREATE INDEX%%' OR query ILIKE '%%ALTER TABLE%%')"
+            " AND wait_event_type = 'Lock'"
+        )
+    else:
+        query = (
+            "SELECT count(*) FROM information_schema.processlist WHERE id <> CONNECTION_ID()"
+            " AND (info LIKE '%%CREATE INDEX%%' OR info LIKE '%%ALTER TABLE%%')"
+            " AND state LIKE '%%metadata lock%%'"
+        )
+    return bool(conn.exec_driver_sql(query).scalar())
+
+
+class _Heartbeats(threading.Thread):
+    """Renews one lease every 0.2 s, recording each renewal's latency and whether it held."""
+
+    def __init__(self, renew: Callable[[], bool]) -> None:
+        super().__init__(daemon=True)
+        self.renew = renew
+        self.stop = threading.Event()
+        self.beats: list[tuple[float, bool]] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            started = time.monotonic()
+            try:
+                held = self.renew()
+            except LeaseError:
+                held = False
+            self.beats.append((time.monotonic() - started, held))
+
+
+def _renewal(store: LeaseStore, url: str, key: tuple[str, str, int]) -> Callable[[], bool]:
+    """The store's heartbeat; on MySQL/MariaDB the same renewal by primary key.
+
+    The store's MySQL heartbeat reads the (status, lease_expires_at) index and
+    so waits for every running row's lock, a fenced one included, migration or
+    not; this test is about the migration's locks only.
+    """
+    if not url.startswith("mysql"):
+        return lambda: key in store.heartbeat([key]).renewed
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    renew = text(
+        "UPDATE celery_lease_runs SET lease_expires_at = :now + lease_ms"
+        " WHERE id = :id AND lease_owner = :owner AND attempt = :attempt"
+        " AND status = 'running' AND lease_expires_at > :now"
+    )
+
+    def beat() -> bool:
+        run_id, owner, attempt = key
+        now = int(time.time() * 1000)
+        with engine.connect() as conn:
+            params = {"id": run_id, "owner": owner, "attempt": attempt, "now": now}
+            return conn.execute(renew, params).rowcount == 1
+
+    return beat
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("backend", "start", "bound"),
+    [
+        ("postgresql", "0003", 1.5),  # the index is built concurrently: no wait at all
+        ("mysql", "0003", 2.5),
+        # 0002's ADD COLUMN needs a brief exclusive lock: renewals wait at most its
+        # lock_timeout (2 s) per try, never for the whole fence.
+        ("postgresql", "0001", 3.0),
+        ("mysql", "0001", 2.5),
+    ],
+)
+def test_migrate_beside_a_fenced_transaction_blocks_no_heartbeat(
+    backend: str, start: str, bound: float, request: pytest.FixtureRequest
+) -> None:
+    """`lease migrate` to head while a fence holds a run's row: heartbeats keep renewing.
+
+    One run's fence transaction stays open (as a worker committing its writes
+    holds it) while another run's lease is renewed every 0.2 s. No migration
+    may queue those renewals behind the open fence: each renewal stays under
+    ``bound`` seconds, the 3 s lease is never lost, and migrate finishes once
+    the fence commits.
+    """
+    url = str(request.getfixturevalue({"postgresql": "pg_url"}.get(backend, "mysql_url")))
+    upgrade(url, start)
+    engine = create_engine(url)
+    with engine.begin() as conn:  # claimed by hand: this version's claim needs 0002's column
+        now = int(time.time() * 1000)
+        for run_id, owner, lease_ms in (("fenced", "o:1:a", 60_000), ("beating", "o:2:b", 3_000)):
+            conn.execute(
+                text(
+                    f"INSERT INTO {TABLE_NAME} (id, task_name, status, lease_owner,"
+                    " lease_expires_at, lease_ms, attempt, max_attempts, available_at,"
+                    " started_at, created_at, updated_at) VALUES (:id, 't', 'running', :owner,"
+                    " :expires, :lease_ms, 1, 3, :now, :now, :now, :now)"
+                ),
+                {"id": run_id, "owner": owner, "expires": now + lease_ms, "lease_ms": lease_ms}
+                | {"now": now},
+            )
+    store = LeaseStore.from_url(url)
+    heartbeats = _Heartbeats(_renewal(store, url, ("beating", "o:2:b", 1)))
+    proc = None
+    try:
+        with engine.connect() as fence_conn, engine.connect() as watch:
+            fence_tx = fence_conn.begin()
+            store.fence(fence_conn, "fenced", "o:1:a", 1)
+            heartbeats.start()
+            proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease"),
+                    *("--database-url", url, "migrate"),
+                ],
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                cwd=str(REPO),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            deadline = time.monotonic() + 30
+            while not _ddl_waiting(watch):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "migrate never reached the index build"
+                watch.rollback()
+                time.sleep(0.1)
+            time.sleep(6.0)  # the fence stays open past the 3 s lease
+            fence_tx.commit()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        heartbeats.stop.set()
+        heartbeats.join(timeout=30)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        engine.dispose()
+    assert proc.returncode == 0 and "-> 0004" in out, out
+    slowest = max(latency for latency, _ in heartbeats.beats)
+    # MySQL's online DDL still waits for an exclusive metadata lock at its start and end,
+    # queueing writes behind it for at most its lock_wait_timeout (1 s) per try.
+    assert slowest < bound, heartbeats.beats
+    assert all(held for _, held in heartbeats.beats), heartbeats.beats
+    assert len(heartbeats.beats) >= 10, heartbeats.beats
+    rows = {run: store.get(run) for run in ("fenced", "beating")}
+    assert [(r.status, r.lease_owner) for r in rows.values() if r is not None] == [
+        ("running", "o:1:a"),
+        ("running", "o:2:b"),
+    ]
+    store.dispose()
+    assert _differences(url) == []
+
+
+@pytest.mark.timeout(60)
+def test_invalid_index_left_by_a_failed_concurrent_build_is_rebuilt(pg_url: str) -> None:
+    """An INVALID index from an interrupted CREATE INDEX CONCURRENTLY is dropped and rebuilt."""
+    upgrade(pg_url, "0003")
+    engine = create_engine(pg_url)
+    try:
+        with engine.connect() as writer, engine.connect() as builder:
+            writer.execute(text(f"UPDATE {TABLE_NAME} SET updated_at = 0"))  # holds ROW EXCLUSIVE
+            auto = builder.execution_options(isolation_level="AUTOCOMMIT")
+            auto.exec_driver_sql("SET lock_timeout = '200ms'")
+            with pytest.raises(OperationalError, match="lock timeout"):
+                auto.exec_driver_sql(
+                    f"CREATE INDEX CONCURRENTLY ix_celery_lease_runs_status_finished"
+                    f" ON {TABLE_NAME} (status, finished_at)"
+                )
+            writer.commit()
+        validity = text(
+            "SELECT indisvalid FROM pg_index"
+            " WHERE indexrelid = to_regclass('ix_celery_lease_runs_status_finished')"
+        )
+        with engine.connect() as conn:
+            assert conn.execute(validity).scalar_one() is False
+        assert upgrade(pg_url).after == head()
+        with engine.connect() as conn:
+            assert conn.execute(validity).scalar_one() is True
+    finally:
+        engine.dispose()
+    assert _differences(pg_url) == []
+
+
+@pytest.mark.timeout(60)
+def test_alembic_by_url_downgrades_and_upgrades_0004_online(db_url: str) -> None:
+    """Alembic run by URL owns its transactions: 0004 drops and rebuilds its index online."""
+    upgrade(db_url)
+    command.downgrade(alembic_config(url=db_url), "0003")
+    assert "ix_celery_lease_runs_status_finished" not in _index_names(db_url)
+    command.upgrade(alembic_config(url=db_url), "head")
+    assert "ix_celery_lease_runs_status_finished" in _index_names(db_url)
+    assert _differences(db_url) == []
+
+
+def _index_names(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return {str(index["name"]) for index in inspect(engine).get_indexes(TABLE_NAME)}
+    finally:
+        engine.dispose()

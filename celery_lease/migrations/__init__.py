@@ -118,30 +118,33 @@ def upgrade(
 ) -> MigrationResult:
     """Migrate the lease database at ``target`` (a URL or an engine) to ``revision``.
 
-    Runs in one transaction, under the database's migration lock (see
+    Runs under the database's migration lock (see
     :mod:`celery_lease.migrations.lock`): a run started while another one
     migrates waits for it (at most ``lock_timeout`` seconds, then
-    :class:`MigrationLockTimeout`), then finds the schema current. Adopts a
+    :class:`MigrationLockTimeout`), then finds the schema current. Each
+    revision commits on its own (SQLite: all in one transaction), and no
+    statement queues lease writes for long (see
+    :mod:`celery_lease.migrations.online`). Adopts a
     table that ``create_all`` made (see the module docs); raises
     :class:`MigrationError` when such a table differs from this version's
     schema. Driver errors propagate as SQLAlchemy errors.
     """
     engine = create_engine(target) if isinstance(target, str) else target
     try:
-        with engine.connect() as connection:
-            lock = migration_lock(connection)
-            try:
-                with connection.begin():
-                    lock.acquire(connection, lock_timeout)
-                    return _upgrade(connection, revision)
-            finally:
-                lock.release(connection)
+        with (
+            engine.connect() as connection,
+            migration_lock(connection).held(connection, lock_timeout) as migrating,
+        ):
+            return _upgrade(migrating, revision)
     finally:
         if isinstance(target, str):
             engine.dispose()
 
 
 def _upgrade(connection: Connection, revision: str) -> MigrationResult:
+    # Alembic owns the transactions (one per revision) unless the lock already
+    # opened one (SQLite), which then holds the whole migration.
+    own_transactions = not connection.in_transaction()
     inspector = inspect(connection)
     has_runs = inspector.has_table(TABLE_NAME)
     has_history = inspector.has_table(VERSION_TABLE)
@@ -156,8 +159,12 @@ def _upgrade(connection: Connection, revision: str) -> MigrationResult:
                 f"version's schema ({_summarize(differences)}); align it by hand, then run "
                 f"`alembic stamp` with version_table={VERSION_TABLE}"
             )
+        if own_transactions:
+            connection.commit()
         command.stamp(config, head())
         adopted = True
+    if own_transactions and connection.in_transaction():
+        connection.commit()
     command.upgrade(config, revision)
     return MigrationResult(before, current(connection), adopted)
 

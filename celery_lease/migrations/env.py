@@ -25,6 +25,11 @@ def _configure(connection: Connection) -> None:
         include_name=include_name,
         compare_type=True,
         render_as_batch=connection.dialect.name == "sqlite",
+        # One transaction per revision: an online index build must run outside any.
+        transaction_per_migration=True,
+        # Whether migrations may commit and step outside a transaction (see
+        # celery_lease.migrations.online); not inside a caller's own transaction.
+        celery_lease_own_transactions=not connection.in_transaction(),
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -54,7 +59,7 @@ def run_online() -> None:
         raise RuntimeError("celery-lease migrations need a connection or sqlalchemy.url")
     engine = create_engine(url)
     try:
-        with engine.begin() as conn:
+        with engine.connect() as conn:  # Alembic begins and commits each revision
             _configure(conn)
     finally:
         engine.dispose()

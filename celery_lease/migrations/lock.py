@@ -5,12 +5,16 @@ lock before it reads the schema's revision, so the first one migrates and the
 others wait, then find the schema at head and change nothing. Every wait is
 bounded: past ``timeout`` seconds :class:`MigrationLockTimeout` is raised.
 
-One class per database, each using that database's own primitive:
+One class per database, each using that database's own primitive.
+:meth:`MigrationLock.held` also decides where the migration runs: on
+PostgreSQL and MySQL a second connection, so the migration can commit step by
+step (and build indexes outside any transaction) while the lock stays held;
+on SQLite the lock's own transaction.
 
-- PostgreSQL: ``pg_advisory_xact_lock``, transaction-scoped, so it is released
-  by the migration's own commit or rollback and works behind PgBouncer in
-  transaction mode (a session lock would not). The wait is bounded by a
-  transaction-local ``lock_timeout``.
+- PostgreSQL: ``pg_try_advisory_xact_lock``, transaction-scoped, so it is
+  released when the lock's transaction ends and works behind PgBouncer in
+  transaction mode (a session lock would not). It is tried every 0.1 s until
+  ``timeout``.
 - MySQL/MariaDB: ``GET_LOCK(name, timeout)``, named after the database and
   released with ``RELEASE_LOCK`` after the migration commits (DDL commits
   implicitly there, so a transaction cannot hold it).
@@ -21,6 +25,9 @@ One class per database, each using that database's own primitive:
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, text
@@ -58,23 +65,52 @@ class MigrationLock:
     def release(self, connection: Connection) -> None:
         """Give the lock up after the migration's transaction ended (default: it ended with it)."""
 
+    @contextmanager
+    def held(self, connection: Connection, timeout: float) -> Iterator[Connection]:
+        """Hold the lock on ``connection``; yield a second connection to migrate on."""
+        try:
+            with connection.begin():
+                self.acquire(connection, timeout)
+                with connection.engine.connect() as migrating:
+                    yield migrating
+        finally:
+            self.release(connection)
+
 
 class PostgresMigrationLock(MigrationLock):
-    """``pg_advisory_xact_lock`` under a transaction-local ``lock_timeout``."""
+    """``pg_try_advisory_xact_lock``, tried in short transactions until ``timeout``."""
+
+    #: Seconds between two tries.
+    POLL = 0.1
 
     def acquire(self, connection: Connection, timeout: float) -> None:
-        """Take the advisory lock; the migration's commit or rollback releases it."""
-        previous = connection.execute(text("SELECT current_setting('lock_timeout')")).scalar()
-        set_timeout = text("SELECT set_config('lock_timeout', :value, true)")
-        connection.execute(set_timeout, {"value": f"{max(1, math.ceil(timeout * 1000))}ms"})
+        """Take the advisory lock; the transaction it is taken in ends it (commit or rollback).
+
+        Each losing try is its own short transaction, rolled back at once: a
+        waiter blocked inside ``pg_advisory_xact_lock`` would hold a snapshot,
+        and the holder's ``CREATE INDEX CONCURRENTLY`` waits for every older
+        snapshot to end, so holder and waiter would wait for each other.
+        """
+        deadline = time.monotonic() + timeout
+        try_lock = text("SELECT pg_try_advisory_xact_lock(:key)")
+        while not connection.execute(try_lock, {"key": PG_LOCK_KEY}).scalar():
+            connection.rollback()
+            if time.monotonic() >= deadline:
+                raise MigrationLockTimeout(timeout)
+            time.sleep(min(self.POLL, max(0.0, deadline - time.monotonic())))
+        # End on a statement that takes no snapshot: the last SELECT's portal
+        # would keep its snapshot for as long as this transaction stays open.
+        connection.exec_driver_sql("SHOW lock_timeout")
+
+    @contextmanager
+    def held(self, connection: Connection, timeout: float) -> Iterator[Connection]:
+        """Hold the lock in ``connection``'s transaction; migrate on a second connection."""
+        self.acquire(connection, timeout)
         try:
-            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_LOCK_KEY})
-        except OperationalError as exc:
-            if getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available
-                raise MigrationLockTimeout(timeout) from exc
-            raise
-        # The migration's own statements keep the caller's lock_timeout.
-        connection.execute(set_timeout, {"value": previous})
+            with connection.engine.connect() as migrating:
+                yield migrating
+        finally:
+            connection.rollback()
 
 
 class MySQLMigrationLock(MigrationLock):
@@ -119,6 +155,16 @@ class SQLiteMigrationLock(MigrationLock):
             if "locked" in str(exc.orig):
                 raise MigrationLockTimeout(timeout) from exc
             raise
+
+    @contextmanager
+    def held(self, connection: Connection, timeout: float) -> Iterator[Connection]:
+        """Hold the write lock and migrate inside it, on the same connection."""
+        try:
+            with connection.begin():
+                self.acquire(connection, timeout)
+                yield connection
+        finally:
+            self.release(connection)
 
     def release(self, connection: Connection) -> None:
         """Hand the connection back to the sqlite3 module's transaction handling."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from celery_lease.migrations.online import ddl
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
@@ -18,7 +20,7 @@ depends_on = None
 
 def upgrade() -> None:
     """Add the nullable ``task_id`` column (rows made before it keep NULL)."""
-    op.add_column("celery_lease_runs", sa.Column("task_id", sa.String(255), nullable=True))
+    ddl().add_column("celery_lease_runs", sa.Column("task_id", sa.String(255), nullable=True))
 
 
 def downgrade() -> None:
