@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -162,3 +163,21 @@ def test_clock_is_utc_whatever_the_session_time_zone(mysql_url: str, time_zone: 
         assert row is not None and row.lease_expires_at == DST_FOLD_EPOCH * 1000 + 30_000
     finally:
         store.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_open_fence_on_one_run_does_not_hold_up_the_heartbeat_of_another(
+    mstore: LeaseStore,
+) -> None:
+    """A fenced transaction holds run A's row lock; the heartbeat renewing run B (the same
+    process's other lease) does not wait for it (before: InnoDB scanned the status index,
+    waited on A's lock and the renewal failed with 1205)."""
+    a = mstore.claim("fence-a", "w1:a", task_name="t", lease_ms=30_000, max_attempts=5)
+    b = mstore.claim("beat-b", "w1:b", task_name="t", lease_ms=30_000, max_attempts=5)
+    with mstore.transaction() as conn:
+        mstore.fence(conn, "fence-a", a.owner, a.attempt)
+        started = time.monotonic()
+        result = mstore.heartbeat([("beat-b", b.owner, b.attempt)])
+        waited = time.monotonic() - started
+    assert result.renewed == {("beat-b", b.owner, b.attempt)}
+    assert waited < 1.0

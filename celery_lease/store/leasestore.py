@@ -527,6 +527,9 @@ class LeaseStore:
             return HeartbeatResult(frozenset(), frozenset(), frozenset())
         now = db_now_ms()
         guard = and_(
+            # The ids alone as well: InnoDB then reads the rows by primary key and
+            # waits for no other run's lock (a fence holds its run's row lock).
+            runs.c.id.in_([key[0] for key in keys]),
             tuple_(runs.c.id, runs.c.lease_owner, runs.c.attempt).in_(keys),
             runs.c.status == RUNNING,
             runs.c.lease_expires_at > now,
