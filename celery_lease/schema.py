@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    text,
 )
 from sqlalchemy.dialects import mysql
 from sqlalchemy.sql.expression import FunctionElement
@@ -74,6 +75,12 @@ runs = Table(
     Column("task_id", String(255), nullable=True),
     Column("payload", PayloadType, nullable=True),
     Column("payload_content_type", String(64), nullable=True),
+    # The body's return value, serialized (at most MAX_RESULT_BYTES): the run's
+    # outcome for Celery's result backend when Celery's own record is missing.
+    Column("result", PayloadType, nullable=True),
+    Column("result_content_type", String(64), nullable=True),
+    # Times the sweeper published the run since a worker last claimed it.
+    Column("requeues", Integer, nullable=False, server_default=text("0")),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     Index("ix_celery_lease_runs_status_expires", "status", "lease_expires_at"),
@@ -81,6 +88,27 @@ runs = Table(
     # Retention: the sweeper and `lease purge` delete one status's oldest
     # finished rows in index order, never scanning the table.
     Index("ix_celery_lease_runs_status_finished", "status", "finished_at"),
+)
+
+#: Largest stored result, in bytes: a bigger one is not kept (the result backend
+#: still gets it from the worker; a replay from the row then cannot).
+MAX_RESULT_BYTES = 64 * 1024
+
+SWEEPS_TABLE_NAME = "celery_lease_sweeps"
+
+#: One row per sweeper name: when it last swept this database, and what it did.
+sweeps = Table(
+    SWEEPS_TABLE_NAME,
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("swept_at", BigInteger, nullable=False),
+    Column("took_ms", Integer, nullable=False),
+    Column("sweeper", String(255), nullable=False),
+    Column("requeued", Integer, nullable=False),
+    Column("failed", Integer, nullable=False),
+    Column("cancelled", Integer, nullable=False),
+    Column("purged", Integer, nullable=False),
+    Column("errors", Integer, nullable=False),
 )
 
 

@@ -30,10 +30,13 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    text,
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import make_url
+from sqlalchemy.schema import CreateColumn
 
 from ..errors import LeaseDatabaseError
 from ..schema import QUEUED, metadata, runs
@@ -377,8 +380,16 @@ def upsert_kept(insert: Any, auto: Engine, waiting: dict[str, Any], adopt: Any, 
 
 
 def create_schema(engine: Engine) -> None:
-    """Create the runs table and any index it lacks."""
+    """Create the tables, and any column or index an existing runs table lacks."""
     metadata.create_all(engine, checkfirst=True)
-    # A table an earlier version made lacks the indexes added since.
+    # A table an earlier version made lacks the columns and indexes added since
+    # (each new column is nullable or has a constant default).
+    present = {column["name"] for column in sa_inspect(engine).get_columns(runs.name)}
+    missing = [column for column in runs.columns if column.name not in present]
+    if missing:
+        with engine.begin() as conn:
+            for column in missing:
+                spec = CreateColumn(column).compile(dialect=engine.dialect)
+                conn.execute(text(f"ALTER TABLE {runs.name} ADD COLUMN {spec}"))
     for index in runs.indexes:
         index.create(engine, checkfirst=True)

@@ -80,6 +80,11 @@ class RunRecord:
     payload_content_type: str | None
     created_at: int
     updated_at: int
+    #: The body's serialized return value (bounded; see ``schema.MAX_RESULT_BYTES``).
+    result: bytes | None = None
+    result_content_type: str | None = None
+    #: Times the sweeper published the run since a worker last claimed it.
+    requeues: int = 0
 
     @property
     def terminal(self) -> bool:
