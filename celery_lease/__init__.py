@@ -17,8 +17,8 @@ from .errors import (
     RunFailed,
 )
 from .lease import Lease, current_lease
+from .run.task import LeasedTask
 from .store import LeaseStore
-from .task import LeasedTask
 
 __all__ = [
     "InvalidLeaseKey",

@@ -13,12 +13,13 @@ while the heartbeat thread is stuck in a socket read.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy import Connection
@@ -54,6 +55,21 @@ def current_lease() -> Lease:
     if lease is None:
         raise LeaseError("no lease is held here: call this inside a LeasedTask body")
     return lease
+
+
+def current_or_none() -> Lease | None:
+    """The lease held by the task running in this thread, or None outside a leased body."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def bind_current(lease: Lease) -> Iterator[Lease]:
+    """Make ``lease`` the current lease (:func:`current_lease`) inside the block."""
+    token = _current.set(lease)
+    try:
+        yield lease
+    finally:
+        _current.reset(token)
 
 
 class Lease(DeadlineReports):
@@ -316,8 +332,10 @@ __all__ = [
     "Watchdog",
     "_current",
     "_set_async_exc",
+    "bind_current",
     "block_signals_in_side_thread",
     "current_lease",
+    "current_or_none",
     "process_watchdog",
     "safety_margin",
 ]

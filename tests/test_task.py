@@ -103,8 +103,8 @@ def test_transient_claim_errors_end_the_run_failed_when_spent(
     """A claim failing with a transient database error is re-published CLAIM_DB_RETRIES times,
     then, the database being writable again, the run ends failed with lease_db_unavailable
     and the delivery FAILURE; the body never runs."""
-    from celery_lease import republish as task_module
     from celery_lease.errors import LeaseDatabaseError
+    from celery_lease.run import republish as task_module
 
     monkeypatch.setattr(task_module, "CLAIM_DB_RETRIES", 3)
     app.conf.update(lease_retry_backoff=0.01, lease_retry_backoff_max=0.02)
