@@ -129,3 +129,16 @@ def test_transient_claim_errors_end_the_run_failed_when_spent(
     assert len(claims) == 4 and ran == []  # the first try and 3 re-publications
     row = store.get(result.id)
     assert row is not None and (row.status, row.failure_code) == ("failed", "lease_db_unavailable")
+
+
+@pytest.mark.timeout(10)
+def test_leased_task_adds_only_the_public_lease_api_to_task_classes() -> None:
+    """``LeasedTask`` adds to ``celery.Task`` exactly its documented public API (``lease``,
+    ``lease_config``, ``lease_run_id``) and no private name a user's task could collide with;
+    its docstring names them."""
+    import celery
+
+    added = set(dir(LeasedTask)) - set(dir(celery.Task))
+    assert added == {"lease", "lease_config", "lease_run_id"}
+    doc = LeasedTask.__doc__ or ""
+    assert all(f"``{name}" in doc for name in added)
