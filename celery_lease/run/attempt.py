@@ -9,7 +9,6 @@ class (Celery keeps its per-run machinery off ``Task`` the same way: its
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from datetime import datetime, timezone
@@ -68,6 +67,13 @@ def seconds_until(when: Any) -> float:
     return 0.0
 
 
+class _Unset:
+    """The type of :data:`_UNSET`: a value not worked out yet."""
+
+
+_UNSET = _Unset()
+
+
 class Attempt:
     """One delivery of a ``LeasedTask``: its claim, its body under the lease, its outcome.
 
@@ -91,16 +97,28 @@ class Attempt:
         self.run_id = runids.run_id_of(task, self.request, args, kwargs)
         self.claim: ClaimResult | None = None
         self.lease: Lease | None = None
+        # Worked out on first use (cheaper than functools.cached_property's lock):
+        # runtime_for may raise, and the claim's error handling decides what then.
+        self._runtime: Runtime | None = None
+        self._concurrency_key: str | _Unset | None = _UNSET
 
-    @functools.cached_property
+    @property
     def runtime(self) -> Runtime:
         """The store and heartbeat of the task's lease database in this process."""
-        return runtime_for(self.task.app, self.config)
+        runtime = self._runtime
+        if runtime is None:
+            runtime = self._runtime = runtime_for(self.task.app, self.config)
+        return runtime
 
-    @functools.cached_property
+    @property
     def concurrency_key(self) -> str | None:
         """The claim's concurrency key (see :func:`~celery_lease.run.runids.concurrency_key`)."""
-        return runids.concurrency_key(str(self.task.name), self.config, self.args, self.kwargs)
+        key = self._concurrency_key
+        if isinstance(key, _Unset):
+            key = self._concurrency_key = runids.concurrency_key(
+                str(self.task.name), self.config, self.args, self.kwargs
+            )
+        return key
 
     @property
     def events(self) -> EventBus:
