@@ -36,8 +36,10 @@ from celery.app.trace import build_tracer
 from celery_lease import LeasedTask
 from celery_lease.lease.lease import Lease, bind_current
 from celery_lease.lease.watchdog import process_watchdog
+from celery_lease.owner import new_owner
+from celery_lease.run import runids
+from celery_lease.run.attempt import Attempt
 from celery_lease.runtime import runtime_for, shutting_down, worker_id
-from celery_lease.task import new_owner
 
 from .common import median, table
 
@@ -142,7 +144,9 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
     try:
         args, kwargs = (1,), {}
         out.append(("lease_config() (cached)", _timeit(task.lease_config, n)))
-        out.append(("run_id_for()", _timeit(lambda: task.run_id_for(args, kwargs), n)))
+        out.append(
+            ("run_id_of()", _timeit(lambda: runids.run_id_of(task, task.request, args, kwargs), n))
+        )
         out.append(("shutting_down()", _timeit(lambda: shutting_down(app), n)))
         out.append(("runtime_for()", _timeit(lambda: runtime_for(app, config), n)))
         out.append(
@@ -151,10 +155,9 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
                 _timeit(lambda: new_owner(request["hostname"], worker_id(app)), n),
             )
         )
-        out.append(
-            ("_payload() (message + serialize)", _timeit(lambda: task._payload(args, kwargs), n))
-        )
-        payload = task._payload(args, kwargs)
+        attempt = Attempt(task, args, kwargs)
+        out.append(("payload() (message + serialize)", _timeit(lambda: runids.payload(attempt), n)))
+        payload = runids.payload(attempt)
         ids = iter(range(10**9))
 
         def claim_complete() -> None:

@@ -18,9 +18,9 @@ from .errors import (
     RunFailed,
 )
 from .lease.lease import Lease, current_lease
+from .run.task import LeasedTask
 from .runtime import store_for
 from .store import LeaseStore
-from .task import LeasedTask
 
 __all__ = [
     "InvalidLeaseKey",

@@ -25,12 +25,13 @@ from sqlalchemy.engine import make_url
 from .config import LeaseConfig, celery_command, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
 from .requeue import SweepReport, requeue_all
+from .run.runids import run_id_of
+from .run.task import LeasedTask
 from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import RunNotFound
 from .store.databases import database_for
 from .sweeper import register_sweep_task
-from .task import LeasedTask
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def _on_task_revoked(
     if not isinstance(sender, LeasedTask) or request is None or not request.id:
         return
     try:
-        run_id = sender.run_id_of(request)
+        run_id = run_id_of(sender, request)
         store = runtime_for(sender.app, sender.lease_config()).store
         status = store.cancel(run_id, task_id=request.id, running=not expired)
     except RunNotFound:

@@ -144,7 +144,7 @@ def test_runs_lists_filters_and_prints_json(cli: Cli, store: LeaseStore) -> None
 def test_tables_cut_long_run_ids_and_wide_shows_them_whole(cli: Cli, store: LeaseStore) -> None:
     """A hashed run id (172 characters) is cut in the middle in `runs` and `top`, which
     then keep their rows within 120 columns and say so; --wide prints it whole."""
-    from celery_lease.runids import fit_run_id
+    from celery_lease.run.runids import fit_run_id
 
     long_id = fit_run_id("invoice:" + "x" * 300)
     assert len(long_id) > 150

@@ -10,6 +10,7 @@ from celery.exceptions import ImproperlyConfigured
 
 from celery_lease import LeaseConfig, LeasedTask
 from celery_lease.config import check_app_settings
+from celery_lease.run.runids import run_id_of
 
 INVALID: list[tuple[str, Any]] = [
     ("lease_seconds", -1),
@@ -100,7 +101,7 @@ def test_task_options_override_app_settings(tmp_path: Any) -> None:
 
     config = charge.lease_config()
     assert config.lease_seconds == 6 and config.heartbeat_interval == 2
-    assert charge.run_id_for((7,), {}) == "tests.test_config.charge:o-7"
+    assert run_id_of(charge, charge.request, (7,), {}) == "tests.test_config.charge:o-7"
     assert LeaseConfig.from_app(app).lease_seconds == 60
 
 

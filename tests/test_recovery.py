@@ -78,6 +78,31 @@ def test_kill9_worker_run_recovered_by_sweeper(cluster: Cluster) -> None:
     assert recovered_in < 30
 
 
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_task_with_its_own_private_names_runs_leased_and_recovers_after_kill9(
+    cluster: Cluster,
+) -> None:
+    """A task class defining _payload, _on_retry and _complete for its own use still runs
+    leased: kill -9 its worker mid-run, expire the lease, and the sweeper sends the stored
+    message to another worker, which commits once (attempt 2)."""
+    timing = {"CL_LEASE_SECONDS": "30", "CL_HEARTBEAT": "1", "CL_ACKS_LATE": "1"}
+    w1 = cluster.start("w1", **timing)
+    run_id = cluster.send("workerapp.audited", 30.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.status == "running" and row.payload is not None
+    w1.kill9()
+    assert cluster.store.expire(run_id)
+    cluster.start("w2", **timing)
+    cluster.start_beat({"lease_sweep_interval": 1.0})
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="recovery")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 2 and row.lease_owner.startswith("w2@")
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
+    assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+
+
 @TWO_SETUPS
 @pytest.mark.timeout(120)
 def test_warm_shutdown_lets_the_running_body_finish_under_its_lease(cluster: Cluster) -> None:

@@ -103,8 +103,8 @@ def test_transient_claim_errors_end_the_run_failed_when_spent(
     """A claim failing with a transient database error is re-published CLAIM_DB_RETRIES times,
     then, the database being writable again, the run ends failed with lease_db_unavailable
     and the delivery FAILURE; the body never runs."""
-    from celery_lease import republish as task_module
     from celery_lease.errors import LeaseDatabaseError
+    from celery_lease.run import republish as task_module
 
     monkeypatch.setattr(task_module, "CLAIM_DB_RETRIES", 3)
     app.conf.update(lease_retry_backoff=0.01, lease_retry_backoff_max=0.02)
@@ -129,3 +129,16 @@ def test_transient_claim_errors_end_the_run_failed_when_spent(
     assert len(claims) == 4 and ran == []  # the first try and 3 re-publications
     row = store.get(result.id)
     assert row is not None and (row.status, row.failure_code) == ("failed", "lease_db_unavailable")
+
+
+@pytest.mark.timeout(10)
+def test_leased_task_adds_only_the_public_lease_api_to_task_classes() -> None:
+    """``LeasedTask`` adds to ``celery.Task`` exactly its documented public API (``lease``,
+    ``lease_config``, ``lease_run_id``) and no private name a user's task could collide with;
+    its docstring names them."""
+    import celery
+
+    added = set(dir(LeasedTask)) - set(dir(celery.Task))
+    assert added == {"lease", "lease_config", "lease_run_id"}
+    doc = LeasedTask.__doc__ or ""
+    assert all(f"``{name}" in doc for name in added)

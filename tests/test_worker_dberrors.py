@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from celery_lease.run.republish import CLAIM_DB_RETRIES
 from celery_lease.store import LeaseStore
-from celery_lease.task import CLAIM_DB_RETRIES
 from tests.cluster import Cluster
 from tests.helpers import Worker, wait_for
 

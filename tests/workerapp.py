@@ -236,6 +236,40 @@ def effect(self: LeasedTask, seconds: float) -> str:
     return "committed"
 
 
+class AuditedTask(LeasedTask):
+    """A user's task class with private helpers of its own, under names the library's
+    task class once used for its own machinery (issue 18)."""
+
+    def _payload(self) -> dict[str, str]:
+        """What this application attaches to its audit records."""
+        return {"audited_by": str(self.name)}
+
+    def _on_retry(self, reason: str) -> str:
+        """The application's own retry note."""
+        return f"retry: {reason}"
+
+    def _complete(self, conn: Any, kind: str) -> None:
+        """Commit the application's effect and the run's success together."""
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, kind, conn)
+
+
+@app.task(base=AuditedTask, bind=True, name="workerapp.audited")
+def audited(self: AuditedTask, seconds: float) -> str:
+    """Work ``seconds`` on the first attempt only (checking the lease), using the class's
+    own ``_payload``/``_on_retry``, then commit one effect through its own ``_complete``."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    if self._payload() != {"audited_by": "workerapp.audited"} or self._on_retry("x") != "retry: x":
+        raise AssertionError("the task's own helpers were shadowed")
+    deadline = time.monotonic() + (seconds if self.lease.attempt == 1 else 0.0)
+    while time.monotonic() < deadline:
+        self.lease.check()
+        time.sleep(0.02)
+    with effects_engine().begin() as conn:
+        self._complete(conn, "commit")
+    return "audited"
+
+
 # -- Celery features (tests/test_canvas.py) -----------------------------------
 
 

@@ -213,7 +213,7 @@ def rerun(
     sent again with the same key (or task id).
     """
     from ..requeue import requeue
-    from ..task import LeasedTask
+    from ..run.task import LeasedTask
 
     args = _json_option(args_json, list, "--args")
     kwargs = _json_option(kwargs_json, dict, "--kwargs")
@@ -292,7 +292,7 @@ def _refuse_rerun(run_id: str, status: str, force: bool) -> None:
 
 def _rerun_run_id(task: Any, task_id: str, args: list[Any], kwargs: dict[str, Any]) -> str:
     """The run id a delivery of ``task`` with these arguments and ``task_id`` claims."""
-    from ..task import fit_run_id
+    from ..run.runids import fit_run_id
 
     if task.lease_config().key is None:
         return fit_run_id(task_id)

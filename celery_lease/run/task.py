@@ -1,0 +1,194 @@
+"""``LeasedTask``: the Celery task base class that runs each body under a lease.
+
+The class keeps Celery's hooks (``on_bound``, ``apply_async``, ``retry``,
+``on_replace``, ``__call__``) and the public lease API only. Each delivery is
+run by its own :class:`~celery_lease.run.attempt.Attempt` (claim -> body ->
+outcome); nothing per run lives on the task.
+
+Celery internals we rely on, and why (none of them has a public equivalent):
+
+- ``request.replaced_task_nesting``: tells a replacement made by ``self.replace()``
+  from the run it replaces (it keeps the task id); see
+  :func:`~celery_lease.run.runids.run_id_of`.
+- ``Task.signature_from_request``: rebuilds the delivery's message as Celery
+  re-sends it (retry), for the re-publish and the sweeper's stored copy.
+- ``celery.utils.quorum_queues.detect_quorum_queues`` (Celery 5.5+): whether a
+  sub-second countdown would be refused by native delayed delivery.
+- ``celery.utils.serialization.raise_with_context``: raise ``exc`` as Celery's own
+  ``retry`` does once retries are spent.
+- ``Task.on_replace``: overridden (a documented hook) so the
+  replacement is published outside any interrupt.
+
+Elsewhere: :mod:`celery_lease.contrib.fs_transport` overrides kombu's private
+``filesystem.Channel._put`` (an atomic publish; kombu has no hook for it), and
+the worker bootstep reads the pool class's ``is_green`` and ``app.tasks`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+from celery import Celery, Task
+from celery.utils.serialization import raise_with_context
+
+from ..app import install
+from ..config import SETTING_NAMES, LeaseConfig
+from ..errors import InvalidLeaseKey
+from ..lease.lease import Lease, current_lease, current_or_none
+from ..runtime import app_config, app_runtime
+from .attempt import Attempt, Replaced, ceiling
+from .runids import scoped_run_id
+
+
+class LeasedTask(Task):  # type: ignore[misc]
+    """A task whose every run is owned by one worker at a time.
+
+    Use as ``@app.task(base=LeasedTask, bind=True)``. Before the body runs the
+    worker claims the run's row; the heartbeat thread renews it; the outcome is
+    recorded with a statement guarded by owner and attempt, inside the task
+    call, before Celery records anything. Any ``lease_*`` setting can be given
+    per task as a task option, e.g. ``@app.task(base=LeasedTask, lease_seconds=60)``.
+
+    Beyond :class:`celery.Task`, the class adds exactly ``lease``,
+    ``lease_config()`` and ``lease_run_id()`` (and the ``lease_*`` options a
+    task sets), and no private name: a task may define any ``_name`` of its own.
+    Each delivery runs in a :class:`~celery_lease.run.attempt.Attempt`.
+    """
+
+    #: Lease-driven retries are bounded by ``lease_max_attempts``, not Celery's.
+    max_retries = None
+
+    @classmethod
+    def on_bound(cls, app: Celery) -> None:
+        """Celery's hook once this task class is bound to ``app``: :func:`install` celery-lease."""
+        super().on_bound(app)
+        install(app)
+
+    @property
+    def lease(self) -> Lease:
+        """The lease this task holds right now (inside the body)."""
+        return current_lease()
+
+    def lease_config(self) -> LeaseConfig:
+        """The app's lease settings with this task's ``lease_*`` options applied."""
+        configs = app_runtime(self.app).task_configs  # kept per app: reset() drops them
+        cached = configs.get(self.name)
+        if cached is None or cached[0] is not self:
+            overrides: dict[str, Any] = {}
+            for name in SETTING_NAMES:
+                value = inspect.getattr_static(self, name, None)
+                if isinstance(value, staticmethod):
+                    value = value.__func__
+                if value is not None:
+                    overrides[name] = value
+            cached = (self, app_config(self.app).with_overrides(overrides))
+            configs[self.name] = cached
+        return cached[1]
+
+    def lease_run_id(self, *args: Any, **kwargs: Any) -> str:
+        """The run id a keyed task uses for these arguments (``namespace:key``).
+
+        Raises:
+            InvalidLeaseKey: the task has no ``lease_key``, or it returned a bad key.
+        """
+        config = self.lease_config()
+        if config.key is None:
+            raise InvalidLeaseKey(f"{self.name} has no lease_key: its run id is the task id")
+        return scoped_run_id(config.namespace or self.name, config.key(*args, **kwargs))
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; a bad ``lease_key`` value is refused here, at call time.
+
+        Raises:
+            InvalidLeaseKey: the key function returned None, a non-str/int or "".
+        """
+        config = self.lease_config()
+        if config.key is not None and args is not None:
+            try:
+                key = config.key(*(args or ()), **(kwargs or {}))
+            except TypeError:
+                key = ""  # partial arguments (a chain step): checked in the worker
+            else:
+                scoped_run_id(config.namespace or self.name, key)
+        return super().apply_async(
+            args,
+            kwargs,
+            task_id=task_id,
+            producer=producer,
+            link=link,
+            link_error=link_error,
+            shadow=shadow,
+            **options,
+        )
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``retry``, with the lease's attempts as a second bound.
+
+        When this claim was the run's last attempt (``lease_max_attempts``), it
+        behaves as Celery does when ``max_retries`` is exceeded: ``exc`` (or
+        ``MaxRetriesExceededError``) is raised, so the run ends ``failed`` and
+        Celery's state ``FAILURE`` with the real error.
+        """
+        lease = current_or_none()
+        if lease is not None and lease.attempt >= ceiling(self.lease_config(), lease):
+            if exc is not None:
+                raise_with_context(exc)
+            raise self.MaxRetriesExceededError(
+                f"Can't retry {self.name}[{self.request.id}]: lease attempts spent "
+                f"({lease.attempt} of {ceiling(self.lease_config(), lease)})"
+            )
+        # Celery publishes the retry here: no interrupt may land inside kombu.
+        with lease.uninterruptible() if lease is not None else contextlib.nullcontext():
+            return super().retry(
+                args,
+                kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
+
+    def on_replace(self, sig: Any) -> Any:
+        """Publish the replacement, then end this run: the replacement owns the rest."""
+        lease = current_or_none()
+        if self.request.is_eager or lease is None:
+            return super().on_replace(sig)
+        with lease.uninterruptible():  # no interrupt inside kombu's publish
+            sig.delay()
+        raise Replaced("Replaced by new task")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run this delivery leased: one :class:`~celery_lease.run.attempt.Attempt`."""
+        if self.request.called_directly:
+            # A plain function call: no worker request exists, so push one the
+            # way Task.__call__ does and run leased, raising instead of retrying.
+            self.push_request(args=args, kwargs=kwargs)
+            try:
+                return Attempt(self, args, kwargs).run()
+            finally:
+                self.pop_request()
+        return Attempt(self, args, kwargs).run()
