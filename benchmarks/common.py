@@ -135,3 +135,15 @@ def empty_lease_table(url: str) -> None:
     with store.engine.begin() as conn:
         conn.execute(text("TRUNCATE celery_lease_runs"))
     store.dispose()
+
+
+def pg_settings(url: str) -> str:
+    """The server's durability settings, as stated on the page."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    names = ("fsync", "synchronous_commit", "full_page_writes", "wal_level", "shared_buffers")
+    with engine.connect() as conn:
+        values = {n: str(conn.execute(text(f"SHOW {n}")).scalar()) for n in names}
+    engine.dispose()
+    return ", ".join(f"`{n} = {v}`" for n, v in values.items())

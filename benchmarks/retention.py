@@ -59,7 +59,7 @@ from celery_lease.store import PURGE_BATCH, LeaseStore
 from celery_lease.sweeper import sweep
 from tests.helpers import scratch_database
 
-from .common import REPO, check_loopback, pg_admin_url
+from .common import REPO, check_loopback, pg_admin_url, pg_settings
 
 DAY_MS = 86_400_000
 RETENTION_S = 7 * 86_400.0
@@ -468,9 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("set CELERY_LEASE_BENCH_PG_URL (or CELERY_LEASE_TEST_PG_URL)")
         check_loopback(admin)
         with scratch_database(admin, prefix="clbench_") as url:
-            from .run_all import _pg_settings
-
-            settings = _pg_settings(url)
+            settings = pg_settings(url)
             results.append(run_backend("PostgreSQL", url, args.finished, args.live, args.claims))
     body = report(results, args.finished, args.live)
     print(body, flush=True)

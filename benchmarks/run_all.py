@@ -30,7 +30,15 @@ from sqlalchemy import create_engine, text
 from tests.helpers import scratch_database
 
 from . import contention, retention, sql, takeover, throughput
-from .common import REPO, amqp_url, check_loopback, pg_admin_url, pgbouncer_url, redis_url
+from .common import (
+    REPO,
+    amqp_url,
+    check_loopback,
+    pg_admin_url,
+    pg_settings,
+    pgbouncer_url,
+    redis_url,
+)
 
 DOC = REPO / "docs" / "benchmarks.md"
 
@@ -41,18 +49,6 @@ def _pg_version(url: str) -> str:
         version = str(conn.execute(text("SHOW server_version")).scalar())
     engine.dispose()
     return version.split()[0]
-
-
-def _pg_settings(url: str) -> str:
-    """The server's durability settings, as stated on the page."""
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url)
-    names = ("fsync", "synchronous_commit", "full_page_writes", "wal_level", "shared_buffers")
-    with engine.connect() as conn:
-        values = {n: str(conn.execute(text(f"SHOW {n}")).scalar()) for n in names}
-    engine.dispose()
-    return ", ".join(f"`{n} = {v}`" for n, v in values.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sqlalchemy": sqlalchemy.__version__,
                 "postgresql": _pg_version(pg_url) if pg_url else "not used",
             }
-            settings = _pg_settings(pg_url) if pg_url else "not used"
+            settings = pg_settings(pg_url) if pg_url else "not used"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     minutes = (time.monotonic() - began) / 60
