@@ -194,7 +194,8 @@ def test_django_page_runs_under_a_real_worker(tmp_path: Path) -> None:
         {**files, "proj/settings.py": settings, "orders/__init__.py": "", "manage.py": MANAGE_PY},
         tmp_path,
     )
-    env = reader_env(DB_PASSWORD="not-used-on-sqlite")
+    # The page's own settings module, whatever another test of this process set.
+    env = reader_env(DB_PASSWORD="not-used-on-sqlite", DJANGO_SETTINGS_MODULE="proj.settings")
     cmds = page.commands()
     run([sys.executable, "manage.py", "makemigrations", "orders"], tmp_path, env)
     for command in cmds:
