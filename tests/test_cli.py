@@ -240,7 +240,7 @@ def test_sweep_recovers_expired_leases_and_reports(cli: Cli, store: LeaseStore) 
     assert store.expire("run-x") and store.expire("run-y")
     out = cli.ok("sweep")
     assert "re-enqueued (retrying): 1" in out and "  run-x" in out
-    assert "failed (lease expired, attempts spent): 1" in out and "  run-y" in out
+    assert "failed (lease expired, attempts spent, or undeliverable): 1" in out and "  run-y" in out
     assert "run-live" not in out
     statuses = {r: store.get(r).status for r in ("run-x", "run-y", "run-live")}  # type: ignore[union-attr]
     assert statuses == {"run-x": "retrying", "run-y": "failed", "run-live": "running"}
