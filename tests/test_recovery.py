@@ -146,6 +146,29 @@ def test_sweeper_ends_a_run_it_cannot_deliver(cluster: Cluster) -> None:
     assert w1.log().count("Received unregistered task of type 'workerapp.gone'") == 2
 
 
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_worker_without_a_sweeper_on_a_broker_that_never_redelivers_warns_once(
+    cluster: Cluster,
+) -> None:
+    """filesystem:// never redelivers: a worker that sees no sweep within 2 x
+    lease_sweep_interval logs ONE warning saying how to run beat; with beat running,
+    a worker sees its sweeps and says nothing."""
+    warning = "no sweep seen"
+    often = {"lease_sweep_interval": 0.5}
+    w1 = cluster.start("w1", conf=often)
+    wait_for(lambda: warning in w1.log(), 20, what="the warning")
+    time.sleep(2.0)  # four more ticks of the watch
+    log = w1.log()
+    assert log.count(warning) == 1
+    assert "`celery -A tests.workerapp beat`" in log and "worker -B" in log
+    cluster.start_beat(often)
+    wait_for(lambda: cluster.store.last_sweep() is not None, 30, what="beat's first sweep")
+    w2 = cluster.start("w2", conf=often)
+    time.sleep(2.5)  # past 2 x the interval: sweeps are seen
+    assert warning not in w2.log()
+
+
 @TWO_SETUPS
 @pytest.mark.timeout(120)
 def test_warm_shutdown_lets_the_running_body_finish_under_its_lease(cluster: Cluster) -> None:
