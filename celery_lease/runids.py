@@ -14,6 +14,7 @@ from kombu.serialization import dumps
 from .config import SETTING_NAMES, LeaseConfig
 from .errors import InvalidLeaseKey
 from .events import EventBus
+from .requeue import header_run_id
 from .runtime import app_config, app_runtime
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class TaskSettings(Task):  # type: ignore[misc]
                 kwargs = dict(request.kwargs or {})
             run_id = self.lease_run_id(*args, **kwargs)
         else:
+            rerun = header_run_id(request)  # `lease rerun`: a new task id, the same run
+            if rerun is not None:
+                return rerun
             task_id = request.id
             run_id = str(task_id) if task_id else uuid.uuid4().hex
         nesting = getattr(request, "replaced_task_nesting", 0) or 0

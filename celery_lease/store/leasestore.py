@@ -1192,15 +1192,18 @@ class LeaseStore:
         }
 
     @_db_errors
-    def rerun(self, run_id: str, *, attempts: int, force: bool = False) -> RunRecord:
+    def rerun(
+        self, run_id: str, *, attempts: int, force: bool = False, task_id: str | None = None
+    ) -> RunRecord:
         """Put a ``failed``/``cancelled`` run (``succeeded`` too with ``force``) back to ``queued``.
 
         One guarded UPDATE (``WHERE status IN (...)``), so a run a worker holds
         or has queued is never touched. The run gets ``attempts`` fresh attempts
         without lowering ``attempt``, the fencing token: ``max_attempts`` becomes
         ``attempt + attempts``. Owner, lease, cancel request, failure and times
-        of the ended series are cleared; the stored message (if any) and the
-        run's own ``task_id`` are kept. Returns the row as it is now. Raises
+        of the ended series are cleared; the stored message (if any) is kept,
+        and the run's own ``task_id`` too unless ``task_id`` gives the one it is
+        published under now. Returns the row as it is now. Raises
         :class:`RunNotFound`, or :class:`RunNotRerunnable` with the status found.
         """
         if attempts < 1:
@@ -1224,6 +1227,7 @@ class LeaseStore:
                 failure_code=None,
                 requeues=0,
                 updated_at=now,
+                **({} if task_id is None else {"task_id": task_id}),
             )
         )
         with self._auto.connect() as conn:
