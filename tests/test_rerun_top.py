@@ -172,8 +172,8 @@ def test_rerun_of_a_revoked_run_runs_under_a_new_task_id(cluster: Cluster) -> No
     wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="the revoke to cancel it")
     proc = lease_cli(cluster, "rerun", run_id, conf=slow_retry)
     assert proc.returncode == 0, proc.stderr
-    assert f"(following {run_id})" in proc.stdout
     wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the rerun to succeed")
+    assert f"(following {run_id})" in proc.stdout
     row = cluster.store.get(run_id)
     assert row is not None and row.attempt == 2 and row.task_id not in (None, run_id)
     assert row.task_id in proc.stdout  # the new task id it was published under
