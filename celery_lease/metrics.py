@@ -24,13 +24,17 @@ Exported (names as Prometheus shows them):
 - ``celery_lease_database_errors_total{stage}``: lease database errors at
   ``claim`` or ``fail``.
 - ``celery_lease_heartbeat_seconds``: latency of one batched heartbeat statement.
+- ``celery_lease_last_sweep_timestamp_seconds{database}``: when the last sweep of
+  each lease database (password masked) ran, as a Unix time: seen by the process
+  that swept, and by every worker's main process once per ``lease_sweep_interval``.
+  Alert on ``time() - celery_lease_last_sweep_timestamp_seconds`` (the sweeper is down).
 
 Counts live in the process that emitted the event. With the prefork pool those
 are the pool children: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set and
 serve, from the main process, a registry holding only a
 ``prometheus_client.multiprocess.MultiProcessCollector`` (the recipe is in
-``docs/operations.md``, *Metrics*). Every metric here is a counter or a
-histogram, which multiprocess mode sums across processes, exited ones included.
+``docs/operations.md``, *Metrics*). The counters and the histogram are summed
+across processes, exited ones included; the last-sweep gauge takes the maximum.
 """
 
 from __future__ import annotations
@@ -129,6 +133,13 @@ class LeaseMetrics:
             buckets=HEARTBEAT_BUCKETS,
             **kw,
         )
+        self.last_sweep = prom.Gauge(
+            "celery_lease_last_sweep_timestamp_seconds",
+            "When the last sweep of a lease database ran (Unix time).",
+            ["database"],
+            multiprocess_mode="max",
+            **kw,
+        )
         for outcome in ("retrying", "failed"):
             self.failures.labels(outcome=outcome)
         for action in _SWEEP_ACTIONS:
@@ -150,6 +161,10 @@ class LeaseMetrics:
             self.duplicates.inc()
         elif event in ("claim_error", "claim_failed", "fail_error"):
             self.db_errors.labels(stage=event.partition("_")[0]).inc()
+        elif event in ("sweep_done", "sweep_seen"):
+            swept_at, database = fields.get("swept_at"), fields.get("database")
+            if isinstance(swept_at, (int, float)) and isinstance(database, str):
+                self.last_sweep.labels(database=database).set(float(swept_at))
         elif event == "heartbeat":
             seconds = fields.get("seconds")
             if isinstance(seconds, (int, float)):

@@ -66,24 +66,52 @@ def decode_message(app: Celery, payload: bytes, content_type: str) -> dict[str, 
     return body
 
 
-def requeue(app: Celery, record: RunRecord) -> None:
+#: Message header naming the run of a delivery whose task id is not the run's id:
+#: ``celery lease rerun`` publishes a run under a new task id (see :func:`rerun_headers`).
+RUN_ID_HEADER = "celery_lease_run_id"
+#: Message header naming the task id a rerun's new task id follows.
+RERUN_OF_HEADER = "celery_lease_rerun_of"
+
+
+def header_run_id(request: Any) -> str | None:
+    """The run id a delivery's :data:`RUN_ID_HEADER` names (a rerun), else None."""
+    value: Any = (getattr(request, "headers", None) or {}).get(RUN_ID_HEADER)
+    if value is None:
+        value = getattr(request, RUN_ID_HEADER, None)
+    return str(value) if value else None
+
+
+def rerun_headers(run_id: str, previous_task_id: str | None, headers: Any) -> dict[str, Any]:
+    """``headers`` with the run id and the previous task id of a rerun added."""
+    return {
+        **dict(headers or {}),
+        RUN_ID_HEADER: run_id,
+        RERUN_OF_HEADER: previous_task_id or run_id,
+    }
+
+
+def requeue(app: Celery, record: RunRecord, *, rerun_of: str | None = None) -> None:
     """Publish the run's stored delivery again: the message Celery itself would send.
 
     The stored message is what ``Task.signature_from_request`` keeps of the
     delivery that claimed the run: its task id (the one the caller holds), chain,
     chord, group, links, parent and root ids, headers, retries, routing, expiry
-    and time limits.
+    and time limits. With ``rerun_of`` (``celery lease rerun``: the task id the
+    message carried) it goes out under the row's ``task_id`` instead, a new one
+    that no revoke list holds, without its stored ``expires``, and with headers
+    naming the run and ``rerun_of``, so the delivery claims the same run.
     """
     if record.payload is None or record.payload_content_type is None:
         raise ValueError(f"run {record.id} has no stored message to publish again")
     body = decode_message(app, record.payload, record.payload_content_type)
+    dropped = (*_DELAY_OPTIONS, "expires", "task_id") if rerun_of else _DELAY_OPTIONS
     options = {
-        key: value
-        for key, value in dict(body.get("options") or {}).items()
-        if key not in _DELAY_OPTIONS
+        key: value for key, value in dict(body.get("options") or {}).items() if key not in dropped
     }
     args = list(body.get("args") or ())
     kwargs = dict(body.get("kwargs") or {})
+    if rerun_of:
+        options["headers"] = rerun_headers(record.id, rerun_of, options.get("headers"))
     options.setdefault("task_id", record.task_id or record.id)
     task = app.tasks.get(record.task_name)
     if task is not None:

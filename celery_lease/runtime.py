@@ -183,11 +183,25 @@ def database_settings(app: Celery, config: LeaseConfig) -> tuple[float, float]:
     the promise of the shortest lease: a renewal never waits past a third of it.
     A task whose settings are invalid is left out (the worker refuses it at start).
     """
-    configs = [config]
+    configs = [config] + [
+        found for found in task_configs(app) if found.database_url == config.database_url
+    ]
+    return (
+        min(each.lease_seconds for each in configs),
+        min(each.heartbeat_interval for each in configs),
+    )
+
+
+def task_configs(app: Celery) -> list[LeaseConfig]:
+    """The settings of every leased task registered on ``app`` (``lease_config()``).
+
+    A task whose settings are invalid is left out (the worker refuses it at start).
+    """
     try:
         tasks = list(app.tasks.values())
     except RuntimeError:  # an app that must not finalize yet: its tasks are not known
         tasks = []
+    configs: list[LeaseConfig] = []
     for task in tasks:
         settings = getattr(task, "lease_config", None)  # LeasedTask's public method
         if not callable(settings):
@@ -196,12 +210,22 @@ def database_settings(app: Celery, config: LeaseConfig) -> tuple[float, float]:
             found = settings()
         except ImproperlyConfigured:
             continue
-        if isinstance(found, LeaseConfig) and found.database_url == config.database_url:
+        if isinstance(found, LeaseConfig):
             configs.append(found)
-    return (
-        min(each.lease_seconds for each in configs),
-        min(each.heartbeat_interval for each in configs),
-    )
+    return configs
+
+
+def lease_databases(app: Celery) -> list[LeaseConfig]:
+    """One settings object per lease database ``app`` uses: the app's
+    ``lease_database_url`` first, then each task's own, in registration order.
+
+    Each is the app's settings, or the first task's that names that database.
+    """
+    config = app_config(app)
+    found = {config.database_url: config}
+    for each in task_configs(app):
+        found.setdefault(each.database_url, each)
+    return list(found.values())
 
 
 def store_for(app: Celery) -> LeaseStore:

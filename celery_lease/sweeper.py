@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
 from typing import Any
 
 from celery import Celery
 
+from .errors import LeaseError
 from .requeue import SweepReport, requeue_all
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
-from .runtime import app_config, app_runtime, store_for
+from .runtime import app_config, app_runtime, lease_databases, runtime_for, store_for
+from .sanitize import describe_exception, safe_url
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
 
@@ -17,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 SWEEP_TASK_NAME = "celery_lease.sweep"
 BEAT_ENTRY_NAME = "celery-lease-sweep"
+#: The name under which beat's sweep task records its sweeps (``celery_lease_sweeps``).
+BEAT_SWEEPER = "beat"
 
 
 def sweep(
@@ -27,19 +34,25 @@ def sweep(
     stale_after: float | None = None,
     purge_limit: int = SWEEP_PURGE_LIMIT,
     purge_budget: float | None = SWEEP_PURGE_BUDGET,
+    name: str = BEAT_SWEEPER,
 ) -> SweepReport:
-    """Recover expired and stranded runs once, then apply ``lease_retention``.
+    """Recover expired and stranded runs on one lease database once, then apply
+    ``lease_retention``, and record the sweep there under ``name``.
 
     Expired ``running`` leases are handed back and re-enqueued (or end
     ``failed``/``cancelled``); ``retrying`` runs available for longer than
     ``stale_after`` seconds (default: sweep interval + lease length) without a
-    claim are re-enqueued too, since their message was lost. Last, at most
-    ``purge_limit`` finished rows older than ``lease_retention`` are deleted,
-    in batches started within ``purge_budget`` seconds (0 rows skips the step).
+    claim are re-enqueued too, since their message was lost; a run the sweeper
+    already published ``max_attempts`` times since its last claim ends
+    ``failed`` (``undeliverable``) instead. Last, at most ``purge_limit``
+    finished rows older than ``lease_retention`` are deleted, in batches started
+    within ``purge_budget`` seconds (0 rows skips the step). ``store`` defaults
+    to the app's ``lease_database_url``; :func:`sweep_all` sweeps every database.
     """
     config = app_config(app)
     store = store or store_for(app)
     events = app_runtime(app).events
+    started = time.monotonic()
     report = SweepReport()
     to_requeue: list[RunRecord] = []
     for record, status in store.sweep_expired(limit):
@@ -60,12 +73,89 @@ def sweep(
     requeue_all(app, to_requeue, report, "expired", store)
     if stale_after is None:
         stale_after = config.sweep_interval + config.lease_seconds
-    requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
+    stranded: list[RunRecord] = []
+    for record, status in store.reclaim_stale(stale_after, limit):
+        if status == FAILED:
+            report.failed.append(record.id)
+            events.emit(
+                "swept",
+                record.id,
+                "run %s: published %d times and never claimed: ended failed (undeliverable)",
+                record.id,
+                record.requeues,
+                level=logging.WARNING,
+                action="undeliverable",
+            )
+        else:
+            stranded.append(record)
+    requeue_all(app, stranded, report, "stranded", store)
     if purge_limit:
         report.purged.update(
             sweep_retention(store, config.retention, purge_limit, purge_budget, events).removed
         )
+    _record(app, store, name, report, time.monotonic() - started)
     return report
+
+
+def _record(app: Celery, store: LeaseStore, name: str, report: SweepReport, took: float) -> None:
+    """Record the sweep in ``celery_lease_sweeps``; a failure is logged, never raised
+    (the runs were swept: only the liveness record is missing)."""
+    database = store.engine.url.render_as_string(hide_password=True)
+    try:
+        store.record_sweep(
+            name,
+            sweeper=f"{socket.gethostname()}:{os.getpid()}",
+            took_ms=round(took * 1000),
+            requeued=len(report.requeued),
+            failed=len(report.failed),
+            cancelled=len(report.cancelled),
+            purged=sum(report.purged.values()),
+            errors=len(report.errors),
+        )
+    except LeaseError as exc:
+        logger.warning(
+            "celery-lease: could not record the sweep of %s (run `lease migrate`?): %s",
+            database,
+            describe_exception(exc),
+            extra={"lease_event": "sweep_record_error"},
+        )
+        return
+    app_runtime(app).events.emit(
+        "sweep_done",
+        None,
+        "celery-lease: swept %s in %.0f ms",
+        database,
+        took * 1000,
+        level=logging.DEBUG,
+        database=database,
+        swept_at=time.time(),
+    )
+
+
+def sweep_all(
+    app: Celery, *, limit: int = 500, name: str = BEAT_SWEEPER
+) -> dict[str, SweepReport | str]:
+    """:func:`sweep` every lease database ``app`` uses: its ``lease_database_url`` and
+    each leased task's own.
+
+    Returns, per database URL (password masked), its report, or the one-line
+    error that stopped its sweep; one unreachable database never stops the others.
+    """
+    reports: dict[str, SweepReport | str] = {}
+    for config in lease_databases(app):
+        shown = safe_url(config.database_url)
+        try:
+            store = runtime_for(app, config).store
+            reports[shown] = sweep(app, store, limit=limit, name=name)
+        except LeaseError as exc:
+            reports[shown] = describe_exception(exc)
+            logger.error(
+                "celery-lease: could not sweep %s: %s",
+                shown,
+                reports[shown],
+                extra={"lease_event": "sweep_error"},
+            )
+    return reports
 
 
 def register_sweep_task(app: Celery) -> None:
@@ -77,4 +167,7 @@ def register_sweep_task(app: Celery) -> None:
         name=SWEEP_TASK_NAME, shared=False, ignore_result=True, lazy=False
     )
     def celery_lease_sweep() -> dict[str, Any]:
-        return sweep(app).as_dict()
+        return {
+            database: report if isinstance(report, str) else report.as_dict()
+            for database, report in sweep_all(app).items()
+        }

@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 
 from .config import LeaseConfig, celery_command, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
+from .liveness import SweepWatch, watch_sweeps
 from .requeue import SweepReport, requeue_all
 from .run.runids import run_id_of
 from .run.task import LeasedTask
@@ -239,7 +240,19 @@ def _connect_receivers(app: Celery) -> None:
         if found is not None:
             _on_worker_process_init(found)
 
+    watches: list[SweepWatch] = []
+
+    def ready(**kwargs: Any) -> None:
+        found = ref()
+        if found is not None and not watches:
+            try:
+                watches.append(watch_sweeps(found))
+            except Exception as exc:  # a hook never takes the worker down
+                logger.warning("celery-lease: sweep watch not started: %s", exc)
+
     def shutting_down(sender: Any = None, how: str = "Warm", **kwargs: Any) -> None:
+        for watch in watches:
+            watch.stop()
         found = ref()
         if found is not None:
             _on_worker_shutting_down(found, how)
@@ -250,6 +263,7 @@ def _connect_receivers(app: Celery) -> None:
             _on_worker_process_shutdown(found)
 
     signals.worker_process_init.connect(process_init, weak=False)
+    signals.worker_ready.connect(ready, weak=False)
     signals.worker_shutting_down.connect(shutting_down, weak=False)
     signals.worker_process_shutdown.connect(process_shutdown, weak=False)
     signals.task_revoked.connect(

@@ -32,3 +32,16 @@ if os.environ.get("CL_FS_DIR"):
 def charge(self: LeasedTask, order_id: int) -> int:
     """A leased task whose runs the CLI tests create by claiming rows directly."""
     return order_id
+
+
+if os.environ.get("CL_TASK_DB"):
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        name="cli_app.own_db",
+        lease_database_url=os.environ["CL_TASK_DB"],
+    )
+    def own_db(self: LeasedTask, order_id: int) -> int:
+        """A leased task whose runs live in its own lease database (``CL_TASK_DB``)."""
+        return order_id

@@ -240,7 +240,7 @@ def test_sweep_recovers_expired_leases_and_reports(cli: Cli, store: LeaseStore) 
     assert store.expire("run-x") and store.expire("run-y")
     out = cli.ok("sweep")
     assert "re-enqueued (retrying): 1" in out and "  run-x" in out
-    assert "failed (lease expired, attempts spent): 1" in out and "  run-y" in out
+    assert "failed (lease expired, attempts spent, or undeliverable): 1" in out and "  run-y" in out
     assert "run-live" not in out
     statuses = {r: store.get(r).status for r in ("run-x", "run-y", "run-live")}  # type: ignore[union-attr]
     assert statuses == {"run-x": "retrying", "run-y": "failed", "run-live": "running"}
@@ -323,3 +323,26 @@ def test_password_in_url_is_never_printed(cli: Cli, db_url: str) -> None:
         assert proc.returncode == 0, proc.stderr
         assert "s3cr3t-pw" not in proc.stdout + proc.stderr
     assert "***" in cli("stats", CL_LEASE_DB=with_password).stdout
+
+
+def test_sweep_and_stats_cover_every_lease_database(cli: Cli, store: LeaseStore) -> None:
+    """A task with its own lease_database_url: `lease sweep` sweeps that database too and
+    `lease stats` lists both, each with its last sweep; URLs are shown masked."""
+    task_db = f"sqlite:///{cli.cwd / 'task-leases.sqlite3'}"
+    cli.env["CL_TASK_DB"] = task_db
+    upgrade(task_db)
+    task_store = LeaseStore.from_url(task_db)
+    try:
+        claim(task_store, "own-1", task="cli_app.own_db")
+        assert task_store.expire("own-1")
+        out = cli.ok("sweep")
+        assert f"lease database {task_db}" in out and "  own-1" in out
+        assert task_store.get("own-1").status == "retrying"  # type: ignore[union-attr]
+        data = json.loads(cli.ok("stats", "--json"))
+        assert [each["database"] for each in data["databases"]][1:] == [task_db]
+        for each in data["databases"]:
+            assert each["last_sweep"]["name"] == "cli" and each["last_sweep"]["age_ms"] >= 0
+        assert data["databases"][1]["counts"]["retrying"] == 1
+        assert "last sweep" in cli.ok("stats")
+    finally:
+        task_store.dispose()

@@ -220,3 +220,24 @@ def test_package_imports_without_prometheus() -> None:
         check=False,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_last_sweep_timestamp_is_exported(app: Celery, registry: CollectorRegistry) -> None:
+    """A sweep sets the last-sweep gauge of its database; a worker's sweep watch reading
+    the recorded sweep sets it too."""
+    import time
+
+    from celery_lease.liveness import SweepWatch
+    from celery_lease.sweeper import sweep
+
+    store = store_for(app)
+    database = store.engine.url.render_as_string(hide_password=True)
+    before = time.time()
+    sweep(app, store)
+    name = "celery_lease_last_sweep_timestamp_seconds"
+    swept = value(registry, name, database=database)
+    assert before - 1 <= swept <= time.time() + 1
+    # The watch sets it again from the recorded row:
+    lease_metrics.enable(app, registry).last_sweep.clear()
+    assert SweepWatch(app, warn=False).check_once()
+    assert before - 2 <= value(registry, name, database=database) <= time.time() + 1

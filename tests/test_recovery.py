@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 import pytest
 
+from celery_lease.store import LeaseStore
 from tests.cluster import AMQP_ID, AMQP_SETUP, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import wait_for
 
@@ -101,6 +103,95 @@ def test_task_with_its_own_private_names_runs_leased_and_recovers_after_kill9(
     assert row is not None and row.attempt == 2 and row.lease_owner.startswith("w2@")
     assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
     assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_kill9_run_on_a_task_database_recovered_by_sweeper(cluster: Cluster) -> None:
+    """kill -9 a worker running a task with its own lease_database_url: beat's sweep
+    sweeps that database too (not only the app's), so the run is re-enqueued and
+    succeeds on attempt 2; each database records the sweep."""
+    task_db = f"sqlite:///{cluster.tmp_path / 'task-leases.sqlite3'}"
+    cluster.env["CL_TASK_DB"] = task_db
+    task_store = LeaseStore.from_url(task_db)
+    task_store.create_schema()
+    try:
+        timing = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5", "CL_ACKS_LATE": "1"}
+        w1 = cluster.start("w1", **timing)
+        run_id = cluster.send("workerapp.own_db", 3.0)
+        wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+        w1.kill9()
+        cluster.start("w2", **timing)
+        cluster.start_beat({"lease_sweep_interval": 1.0})
+
+        def status() -> str | None:
+            row = task_store.get(run_id)
+            return None if row is None else row.status
+
+        wait_for(lambda: status() == "succeeded", 60, what="recovery on the task's database")
+        row = task_store.get(run_id)
+        assert row is not None and row.attempt == 2 and row.lease_owner.startswith("w2@")
+        assert cluster.store.get(run_id) is None  # never in the app's database
+        assert len(cluster.effects(run_id, "commit")) == 1
+        for store in (cluster.store, task_store):
+            last = store.last_sweep()
+            assert last is not None and last["name"] == "beat"
+    finally:
+        task_store.dispose()
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_sweeper_ends_a_run_it_cannot_deliver(cluster: Cluster) -> None:
+    """A stranded run whose task no worker has registered: the sweeper publishes it at
+    most max_attempts times (the workers drop each message as unregistered), then ends
+    it failed with failure_code undeliverable instead of publishing it forever."""
+    run_id = "gone-1"
+    message = json.dumps(
+        {"task": "workerapp.gone", "args": [], "kwargs": {}, "options": {"task_id": run_id}}
+    ).encode()
+    assert cluster.store.keep_delivery(
+        run_id,
+        task_name="workerapp.gone",
+        task_id=run_id,
+        payload=message,
+        payload_content_type="application/json",
+        lease_ms=1000,
+        max_attempts=2,
+    )
+    often = {"lease_sweep_interval": 0.5}  # stranded after 0.5 s + the 1 s lease
+    w1 = cluster.start("w1", conf=often, CL_LEASE_SECONDS="1", CL_HEARTBEAT="0.3")
+    cluster.start_beat(often)
+    wait_for(lambda: cluster.status(run_id) == "failed", 60, what="the run to be given up")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.failure_code == "undeliverable"
+    assert row.requeues == 2 and row.payload is not None  # kept for `lease rerun`
+    assert row.last_error is not None and "never claimed" in row.last_error
+    time.sleep(2.0)  # no further publish: the workers saw it exactly twice
+    assert w1.log().count("Received unregistered task of type 'workerapp.gone'") == 2
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_worker_without_a_sweeper_on_a_broker_that_never_redelivers_warns_once(
+    cluster: Cluster,
+) -> None:
+    """filesystem:// never redelivers: a worker that sees no sweep within 2 x
+    lease_sweep_interval logs ONE warning saying how to run beat; with beat running,
+    a worker sees its sweeps and says nothing."""
+    warning = "no sweep seen"
+    often = {"lease_sweep_interval": 0.5}
+    w1 = cluster.start("w1", conf=often)
+    wait_for(lambda: warning in w1.log(), 20, what="the warning")
+    time.sleep(2.0)  # four more ticks of the watch
+    log = w1.log()
+    assert log.count(warning) == 1
+    assert "`celery -A tests.workerapp beat`" in log and "worker -B" in log
+    cluster.start_beat(often)
+    wait_for(lambda: cluster.store.last_sweep() is not None, 30, what="beat's first sweep")
+    w2 = cluster.start("w2", conf=often)
+    time.sleep(2.5)  # past 2 x the interval: sweeps are seen
+    assert warning not in w2.log()
 
 
 @TWO_SETUPS

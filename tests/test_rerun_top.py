@@ -142,7 +142,7 @@ def test_activity_and_live_leases_count_by_index_ranges(store: LeaseStore) -> No
 @pytest.mark.timeout(120)
 def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> None:
     """A run failed with attempts spent kept its message; rerun publishes it and it
-    succeeds on attempt 3, under the caller's task id."""
+    succeeds on attempt 3, the same run under a new task id."""
     cluster.start("w1", conf=FAST)
     run_id = cluster.send("workerapp.flaky", 2)
     wait_for(lambda: cluster.status(run_id) == "failed", 60, what="run to fail")
@@ -156,6 +156,29 @@ def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> N
     assert row is not None and row.attempt == 3 and row.failure_code is None
     assert [e.attempt for e in cluster.effects(run_id, "commit")] == [3]
     assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+@pytest.mark.timeout(120)
+def test_rerun_of_a_revoked_run_runs_under_a_new_task_id(cluster: Cluster) -> None:
+    """Celery's revoke() of a run waiting for its retry cancels it; `lease rerun` publishes
+    it under a new task id (Celery's revoke list holds the old one), linked to the old
+    one by a header, and the same run (same id) runs to succeeded."""
+    slow_retry = {"lease_retry_backoff": 4, "lease_retry_backoff_max": 4, "lease_max_attempts": 3}
+    w1 = cluster.start("w1", conf=slow_retry)
+    run_id = cluster.send("workerapp.flaky", 1)  # fails on attempt 1, succeeds on 2
+    wait_for(lambda: cluster.status(run_id) == "retrying", 30, what="attempt 1 to fail")
+    cluster.producer.control.revoke(run_id)
+    wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="the revoke to cancel it")
+    proc = lease_cli(cluster, "rerun", run_id, conf=slow_retry)
+    assert proc.returncode == 0, proc.stderr
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the rerun to succeed")
+    assert f"(following {run_id})" in proc.stdout
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 2 and row.task_id not in (None, run_id)
+    assert row.task_id in proc.stdout  # the new task id it was published under
+    assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+    assert f"Discarding revoked task: workerapp.flaky[{row.task_id}]" not in w1.log()
 
 
 @TWO_SETUPS

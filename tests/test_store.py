@@ -429,7 +429,7 @@ def test_keep_delivery_leaves_each_refused_publish_to_the_sweeper(store: LeaseSt
     row = store.get("new")
     assert row is not None and (row.status, row.attempt, row.task_id) == ("queued", 0, "new")
     assert (row.payload, row.payload_content_type) == (b'{"m": 1}', "application/json")
-    assert [r.id for r in store.reclaim_stale(0)] == ["new"]
+    assert [r.id for r, _ in store.reclaim_stale(0)] == ["new"]
     assert claim(store, "new", "A", task_id="new").attempt == 1  # a normal first claim
 
     claim(store, "held", "A", task_id="held", payload=b"own", payload_content_type="x/y")

@@ -129,3 +129,28 @@ def test_long_keys_are_hashed_to_fit_the_column(app: Celery) -> None:
     assert len(run_id) <= 255 and ":sha256:" in run_id
     assert long_key.lease_run_id("k" * 400) == run_id
     assert store_for(app).get(run_id) is not None
+
+
+def test_sweeper_counts_its_republishes_and_a_claim_resets_them(app: Celery) -> None:
+    """Each sweeper publish of a run counts in ``requeues`` (in the statement that marks it);
+    a worker's claim resets it; at max_attempts unclaimed publishes the run ends failed
+    (undeliverable) and is not published again; `lease rerun` starts the count over."""
+    store = store_for(app)
+    message = dumps({"args": [], "kwargs": {}, "options": {}}, serializer="json")
+    _plant(store, "r", message[2].encode(), message[0])  # running, lease expired (attempt 1)
+    moved = store.sweep_expired()
+    assert [(r.id, status) for r, status in moved] == [("r", "retrying")]
+    assert store.get("r").requeues == 1  # type: ignore[union-attr]
+    claim = store.claim("r", "w:1:y", task_name="sweeper.victim", lease_ms=60_000,
+                        max_attempts=3, payload=message[2].encode(),
+                        payload_content_type=message[0])  # fmt: skip
+    assert claim.outcome == "claimed" and store.get("r").requeues == 0  # type: ignore[union-attr]
+    store.fail("r", "w:1:y", claim.attempt, error="x", failure_code="e", retry_in=0.0)
+    for count in (1, 2, 3, 4, 5):  # stranded: published again, max_attempts times
+        assert [status for _, status in store.reclaim_stale(0)] == ["retrying"]
+        assert store.get("r").requeues == count  # type: ignore[union-attr]
+    assert [status for _, status in store.reclaim_stale(0)] == ["failed"]
+    row = store.get("r")
+    assert row is not None and (row.status, row.failure_code) == ("failed", "undeliverable")
+    assert row.payload is not None and store.reclaim_stale(0) == []
+    assert store.rerun("r", attempts=2).requeues == 0

@@ -465,3 +465,23 @@ if os.environ.get("CL_PUBLISH_GATE"):
         deadline = time.monotonic() + 30
         while not (gate / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+if os.environ.get("CL_TASK_DB"):
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        name="workerapp.own_db",
+        lease_database_url=os.environ["CL_TASK_DB"],
+    )
+    def own_db(self: LeasedTask, seconds: float) -> str:
+        """A task whose runs live in its own lease database (``CL_TASK_DB``): work (checking
+        the lease), then record one effect (in the app's lease database)."""
+        record(self.lease.run_id, self.lease.attempt, "start")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.lease.check()
+            time.sleep(0.05)
+        record(self.lease.run_id, self.lease.attempt, "commit")
+        return "own"

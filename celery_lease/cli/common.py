@@ -132,10 +132,26 @@ def _sqlite_file(url: str) -> str | None:
     return str(parsed.database)
 
 
-def _open_store(ctx: click.Context) -> LeaseStore:
-    """A store on the lease database, which must exist and hold the runs table."""
-    url = _database_url(ctx)
+def _database_urls(ctx: click.Context) -> list[str]:
+    """Every lease database the app uses: ``--database-url`` alone, or the app's
+    ``lease_database_url`` then each leased task's own (``lease_database_url``)."""
+    if ctx.find_root().meta.get("celery_lease.override") is not None:
+        return [_database_url(ctx)]
+    from ..runtime import task_configs
+
+    urls = [_database_url(ctx)]
+    for config in task_configs(ctx.obj.app):
+        if config.database_url not in urls:
+            urls.append(config.database_url)
+    return urls
+
+
+def _open_store(ctx: click.Context, url: str | None = None) -> LeaseStore:
+    """A store on the lease database (``url``, else the app's), which must exist and hold
+    the runs table."""
+    url = _database_url(ctx) if url is None else url
     shown = safe_url(url)
+    ctx.meta[_URL_KEY] = shown
     path = _sqlite_file(url)
     if path is not None and not os.path.exists(path):
         # Connecting would silently create an empty file; say what is wrong instead.

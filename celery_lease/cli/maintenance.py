@@ -8,25 +8,33 @@ from typing import Any
 import click
 
 from .. import dberrors
-from ..sanitize import safe_url
+from ..errors import LeaseError
+from ..sanitize import safe_url, sanitize
 from ..schema import (
     STATUSES,
     TABLE_NAME,
     TERMINAL_STATUSES,
 )
-from ..store import PURGE_BATCH, RunRecord
+from ..store import PURGE_BATCH, LeaseStore, RunRecord
 from .common import (
-    _URL_KEY,
     _database_url,
+    _database_urls,
     _echo_json,
     _open_store,
     _operator_errors,
+    format_duration,
     format_relative,
     format_time,
     lease,
-    lease_left,
     record_data,
 )
+
+_SWEEP_LABELS = {
+    "requeued": "re-enqueued (retrying)",
+    "failed": "failed (lease expired, attempts spent, or undeliverable)",
+    "cancelled": "cancelled (cancel was requested)",
+    "errors": "could not be re-enqueued",
+}
 
 
 @lease.command()
@@ -35,39 +43,69 @@ from .common import (
 @click.pass_context
 @_operator_errors
 def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
-    """Run the sweeper once: recover runs whose lease expired, and print what it did."""
+    """Run the sweeper once on every lease database of the app (its lease_database_url and
+    each task's own; or --database-url alone): recover runs whose lease expired, and print
+    what it did on each."""
     from ..sweeper import sweep as run_sweep
 
-    store = _open_store(ctx)
-    report = run_sweep(ctx.obj.app, store, limit=limit)
-    data = {
-        "requeued": list(report.requeued),
-        "failed": list(report.failed),
-        "cancelled": list(report.cancelled),
-        "errors": list(getattr(report, "errors", [])),
-    }
-    purged = {status: n for status, n in report.purged.items() if n}
+    reports: list[dict[str, Any]] = []
+    for index, url in enumerate(_database_urls(ctx)):
+        shown = safe_url(url)
+        try:
+            store = _open_store(ctx, url)
+            report = run_sweep(ctx.obj.app, store, limit=limit, name="cli")
+        except (click.ClickException, LeaseError) as exc:
+            if index == 0:
+                raise  # the app's own database: the one-line error of every command
+            text = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+            reports.append({"database": shown, "error": sanitize(text)})
+            continue
+        reports.append(
+            {
+                "database": shown,
+                "requeued": list(report.requeued),
+                "failed": list(report.failed),
+                "cancelled": list(report.cancelled),
+                "errors": list(report.errors),
+                "purged": {status: n for status, n in report.purged.items() if n},
+                "error": None,
+            }
+        )
     if as_json:
-        _echo_json({**data, "purged": purged})
+        total: dict[str, Any] = {key: [] for key in _SWEEP_LABELS}
+        purged: dict[str, int] = {}
+        for each in reports:
+            for key in _SWEEP_LABELS:
+                total[key].extend(each.get(key, []))
+            for status, n in each.get("purged", {}).items():
+                purged[status] = purged.get(status, 0) + n
+        _echo_json({**total, "purged": purged, "databases": reports})
     else:
-        labels = {
-            "requeued": "re-enqueued (retrying)",
-            "failed": "failed (lease expired, attempts spent)",
-            "cancelled": "cancelled (cancel was requested)",
-            "errors": "could not be re-enqueued",
-        }
-        if not any(data.values()) and not purged:
-            click.echo("nothing to sweep")
-        if purged:
-            counts = ", ".join(f"{status} {n}" for status, n in purged.items())
-            click.echo(f"deleted (finished, older than lease_retention): {counts}")
-        for key, ids in data.items():
-            if ids:
-                click.echo(f"{labels[key]}: {len(ids)}")
-                for run_id in ids:
-                    click.echo(f"  {run_id}")
-    if data["errors"]:
+        for each in reports:
+            _print_sweep(each, len(reports) > 1)
+    if any(each["error"] or each["errors"] for each in reports):
         ctx.exit(1)
+
+
+def _print_sweep(report: dict[str, Any], header: bool) -> None:
+    """What one database's sweep did, as text (under its URL when there are several)."""
+    if header:
+        click.echo(f"lease database {report['database']}")
+    if report["error"]:
+        click.echo(f"  could not sweep: {report['error']}", err=True)
+        return
+    purged = report["purged"]
+    if not any(report[key] for key in _SWEEP_LABELS) and not purged:
+        click.echo("nothing to sweep")
+    if purged:
+        counts = ", ".join(f"{status} {n}" for status, n in purged.items())
+        click.echo(f"deleted (finished, older than lease_retention): {counts}")
+    for key, label in _SWEEP_LABELS.items():
+        ids = report[key]
+        if ids:
+            click.echo(f"{label}: {len(ids)}")
+            for run_id in ids:
+                click.echo(f"  {run_id}")
 
 
 @lease.command()
@@ -104,51 +142,123 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
         click.echo(f"{shown}: migrated {result.before or '(empty)'} -> {result.after}")
 
 
+_NOT_RECORDED = (
+    "a worker that loses its lease writes nothing to the table, so lease losses seen by "
+    "workers are not counted here: use the celery_lease_lease_lost_total metric or log "
+    "records with lease_event=lost"
+)
+
+
 @lease.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @_operator_errors
 def stats(ctx: click.Context, as_json: bool) -> None:
-    """Counts per status, live leases, the oldest running run, recent lease expiries."""
-    store = _open_store(ctx)
+    """Per lease database of the app (its lease_database_url and each task's own, or
+    --database-url alone): counts per status, live leases, the oldest running run,
+    recent lease expiries and the last sweep."""
+    found: list[dict[str, Any]] = []
+    for index, url in enumerate(_database_urls(ctx)):
+        try:
+            store = _open_store(ctx, url)
+            found.append(_stats_of(store, safe_url(url)))
+        except (click.ClickException, LeaseError) as exc:
+            if index == 0:
+                raise  # the app's own database: the one-line error of every command
+            text = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+            found.append({"database": safe_url(url), "error": sanitize(text)})
+    if as_json:
+        _echo_json({**found[0], "databases": found})
+        return
+    for index, data in enumerate(found):
+        if index:
+            click.echo("")
+        _print_stats(data)
+    if any(data.get("error") for data in found):
+        ctx.exit(1)
+
+
+def _stats_of(store: LeaseStore, shown: str) -> dict[str, Any]:
+    """``lease stats --json`` of one database."""
     data = store.stats()
     now: int = data["now"]
     counts: dict[str, int] = {status: data["counts"].get(status, 0) for status in STATUSES}
     oldest: RunRecord | None = data["oldest_running"]
-    not_recorded = (
-        "a worker that loses its lease writes nothing to the table, so lease losses seen by "
-        "workers are not counted here: use the celery_lease_lease_lost_total metric or log "
-        "records with lease_event=lost"
-    )
-    if as_json:
-        _echo_json(
-            {
-                "db_now": now,
-                "counts": counts,
-                "total": sum(counts.values()),
-                "live_leases": data["live_leases"],
-                "expired_leases": data["expired_leases"],
-                "oldest_running": None if oldest is None else record_data(oldest, now),
-                "lease_expired_last_hour": data["lease_expired_recent"],
-                "lease_lost_at_workers": None,
-                "note": not_recorded,
-            }
-        )
+    try:
+        last = store.last_sweep()
+    except LeaseError:  # no celery_lease_sweeps table yet: `lease migrate` adds it
+        last = None
+    return {
+        "database": shown,
+        "error": None,
+        "db_now": now,
+        "counts": counts,
+        "total": sum(counts.values()),
+        "live_leases": data["live_leases"],
+        "expired_leases": data["expired_leases"],
+        "oldest_running": None if oldest is None else record_data(oldest, now),
+        "lease_expired_last_hour": data["lease_expired_recent"],
+        "lease_lost_at_workers": None,
+        "note": _NOT_RECORDED,
+        "last_sweep": None
+        if last is None
+        else {
+            "name": last["name"],
+            "swept_at": last["swept_at"],
+            "age_ms": max(0, last["now"] - last["swept_at"]),
+            "took_ms": last["took_ms"],
+            "sweeper": last["sweeper"],
+            **{key: last[key] for key in ("requeued", "failed", "cancelled", "purged", "errors")},
+        },
+    }
+
+
+def _print_stats(data: dict[str, Any]) -> None:
+    """One database's ``lease stats``, as text."""
+    click.echo(f"lease database   {data['database']}")
+    if data["error"]:
+        click.echo(f"  could not read it: {data['error']}", err=True)
         return
-    click.echo(f"lease database   {ctx.meta[_URL_KEY]}")
+    now: int = data["db_now"]
     click.echo(f"database clock   {format_time(now)}")
     click.echo("")
     width = max(len(s) for s in STATUSES)
+    counts = data["counts"]
     for status in STATUSES:
         click.echo(f"  {status.ljust(width)}  {counts[status]}")
-    click.echo(f"  {'total'.ljust(width)}  {sum(counts.values())}")
+    click.echo(f"  {'total'.ljust(width)}  {data['total']}")
     click.echo("")
+    oldest = data["oldest_running"]
     if oldest is None:
         oldest_text = "-"
     else:
+        started = format_relative(oldest["started_at"], now)
+        left = oldest["lease_left_ms"]
+        lease_text = (
+            "-"
+            if left is None
+            else (
+                f"{format_duration(left)} left"
+                if left > 0
+                else f"expired {format_duration(left)} ago"
+            )
+        )
         oldest_text = (
-            f"{oldest.id} ({oldest.task_name}), started {format_relative(oldest.started_at, now)},"
-            f" attempt {oldest.attempt}/{oldest.max_attempts}, lease {lease_left(oldest, now)}"
+            f"{oldest['id']} ({oldest['task_name']}), started {started},"
+            f" attempt {oldest['attempt']}/{oldest['max_attempts']}, lease {lease_text}"
+        )
+    last = data["last_sweep"]
+    if last is None:
+        sweep_text = (
+            "never recorded (run beat: `celery -A proj beat`, or a worker with -B; "
+            "or `lease sweep`)"
+        )
+    else:
+        sweep_text = (
+            f"{format_duration(last['age_ms'])} ago by {last['sweeper']} ({last['name']}, "
+            f"took {format_duration(last['took_ms'])}: re-enqueued {last['requeued']}, "
+            f"failed {last['failed']}, cancelled {last['cancelled']}, "
+            f"purged {last['purged']}, errors {last['errors']})"
         )
     facts = [
         ("live leases", str(data["live_leases"])),
@@ -160,10 +270,11 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         ("oldest running", oldest_text),
         (
             "lease expired, last hour",
-            f"{data['lease_expired_recent']} (runs with failure_code=lease_expired updated in "
-            "the last hour; a run re-claimed and finished since no longer carries it)",
+            f"{data['lease_expired_last_hour']} (runs with failure_code=lease_expired updated "
+            "in the last hour; a run re-claimed and finished since no longer carries it)",
         ),
-        ("lease lost at workers", f"not recorded: {not_recorded}"),
+        ("last sweep", sweep_text),
+        ("lease lost at workers", f"not recorded: {_NOT_RECORDED}"),
     ]
     label_width = max(len(label) for label, _ in facts)
     for label, text in facts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import click
@@ -206,13 +207,15 @@ def rerun(
 ) -> None:
     """Run a failed or cancelled run again: back to queued, with fresh attempts.
 
-    The run is published again from the message stored in its row, under its
-    own task id. With --args/--kwargs it is published with those arguments
+    The run is published again from the message stored in its row, under a
+    new task id (a header links it to the old one, which Celery's revoke list
+    may hold) and without the stored expires; the run keeps its id. With
+    --args/--kwargs it is published with those arguments
     instead (checked against a keyed task's lease_key). A run with no stored
     message (a succeeded run, with --force) waits, queued, until the task is
     sent again with the same key (or task id).
     """
-    from ..requeue import requeue
+    from ..requeue import requeue, rerun_headers
     from ..run.task import LeasedTask
 
     args = _json_option(args_json, list, "--args")
@@ -233,7 +236,7 @@ def rerun(
                 f"task {record.task_name!r} is not a LeasedTask of this app (-A): cannot "
                 "publish it with --args/--kwargs"
             )
-        expected = _rerun_run_id(task, task_id, args or [], kwargs or {})
+        expected = _rerun_run_id(task, run_id, args or [], kwargs or {})
         if expected != run_id:
             raise _Failure(
                 f"these arguments make run {expected!r}, not {run_id!r}: the task's "
@@ -242,30 +245,37 @@ def rerun(
     if attempts is None:
         config = task.lease_config() if leased else LeaseConfig.from_app(app)
         attempts = config.max_attempts
+    # A new task id, linked to the old one by a header: Celery's revoke list may hold
+    # the old one (a revoked or expired run), and would cancel the rerun at once.
+    new_task_id = str(uuid.uuid4()) if publish or record.payload is not None else None
     try:
-        after = store.rerun(run_id, attempts=attempts, force=force)
+        after = store.rerun(run_id, attempts=attempts, force=force, task_id=new_task_id)
     except RunNotRerunnable as exc:  # it changed between the read and the update
         _refuse_rerun(run_id, exc.status, force)
         raise
     tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
     try:
         if publish:
-            task.apply_async(args or [], kwargs or {}, task_id=task_id)
+            headers = rerun_headers(run_id, task_id, None)
+            task.apply_async(args or [], kwargs or {}, task_id=new_task_id, headers=headers)
         elif after.payload is not None:
-            requeue(app, after)
+            requeue(app, after, rerun_of=task_id)
     except Exception as exc:
         raise _Failure(
             f"run {run_id} is queued again ({tries}) but could not be published "
-            f"({describe_exception(exc)}): send {record.task_name} again under task id "
-            f"{task_id}, or `lease cancel {run_id}` to undo"
+            f"({describe_exception(exc)}): run `lease rerun` again once the broker is back "
+            f"(after `lease cancel {run_id}`), or `lease cancel {run_id}` to undo"
         ) from None
     if publish:
         click.echo(
-            f"run {run_id} is queued again ({tries}) and published as task {task_id} "
-            "with the given arguments"
+            f"run {run_id} is queued again ({tries}) and published as task {new_task_id} "
+            f"(following {task_id}) with the given arguments"
         )
     elif after.payload is not None:
-        click.echo(f"run {run_id} is queued again ({tries}) and published from its stored message")
+        click.echo(
+            f"run {run_id} is queued again ({tries}) and published from its stored message "
+            f"as task {new_task_id} (following {task_id})"
+        )
     else:
         how = (
             f"send {record.task_name} again with arguments that give this run's lease_key"
@@ -290,12 +300,13 @@ def _refuse_rerun(run_id: str, status: str, force: bool) -> None:
         raise _Failure(f"run {run_id} succeeded: pass --force to run it again")
 
 
-def _rerun_run_id(task: Any, task_id: str, args: list[Any], kwargs: dict[str, Any]) -> str:
-    """The run id a delivery of ``task`` with these arguments and ``task_id`` claims."""
+def _rerun_run_id(task: Any, run_id: str, args: list[Any], kwargs: dict[str, Any]) -> str:
+    """The run id a rerun of ``run_id`` with these arguments claims: ``run_id`` itself for
+    a task without ``lease_key`` (the rerun's header names it), else the key's."""
     from ..run.runids import fit_run_id
 
     if task.lease_config().key is None:
-        return fit_run_id(task_id)
+        return run_id  # the rerun's header names it: any arguments give this run
     try:
         return str(fit_run_id(task.lease_run_id(*args, **kwargs)))
     except TypeError as exc:

@@ -16,6 +16,7 @@ from kombu.serialization import dumps
 from ..config import LeaseConfig
 from ..errors import InvalidLeaseKey
 from ..events import EventBus
+from ..requeue import header_run_id
 from ..runtime import Runtime
 
 #: The longest run id the ``id`` column holds; longer ids are hashed (see fit_run_id).
@@ -110,6 +111,9 @@ def run_id_of(
             kwargs = dict(request.kwargs or {})
         run_id = str(task.lease_run_id(*args, **kwargs))
     else:
+        rerun = header_run_id(request)  # `lease rerun`: a new task id, the same run
+        if rerun is not None:
+            return rerun
         task_id = request.id
         run_id = str(task_id) if task_id else uuid.uuid4().hex
     nesting = getattr(request, "replaced_task_nesting", 0) or 0

@@ -25,13 +25,14 @@ from sqlalchemy import (
     and_,
     case,
     func,
+    insert,
     inspect,
     or_,
     select,
     tuple_,
     update,
 )
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from .. import schema
 from ..errors import LeaseLost, LeaseUsageError, RunNotFound, RunNotRerunnable
@@ -852,6 +853,8 @@ class LeaseStore:
                 available_at=now,
                 failure_code="lease_expired",
                 last_error=f"lease expired on attempt {record.attempt} (worker lost or stalled)",
+                # The sweeper publishes it now: one more re-publish since the last claim.
+                requeues=runs.c.requeues + 1,
             )
         stmt = (
             update(runs)
@@ -867,12 +870,20 @@ class LeaseStore:
         return status if conn.execute(stmt).rowcount == 1 else None
 
     @_db_errors
-    def reclaim_stale(self, older_than: float, limit: int = 500) -> list[RunRecord]:
+    def reclaim_stale(self, older_than: float, limit: int = 500) -> list[tuple[RunRecord, str]]:
         """Queued/retrying runs available for ``older_than`` s yet never claimed.
 
         Their delivery was most likely lost (a broker that does not redeliver, a
-        failed publish). Each returned row had ``available_at`` moved to now by
-        a guarded statement, so concurrent sweepers return disjoint rows.
+        failed publish, a task no worker runs leased). Each returned row was
+        moved by a statement guarded on its status, attempt, ``available_at``
+        and ``requeues``, so concurrent sweepers return disjoint rows, with the
+        status it has now:
+
+        - the row's own status (``queued``/``retrying``): ``available_at`` moved
+          to now and ``requeues`` grown by one; the caller publishes it again;
+        - ``failed`` with ``undeliverable``: the sweeper had already published it
+          ``max_attempts`` times since a worker last claimed it, so it is ended
+          instead (its message is kept for ``celery lease rerun``).
         """
         now = db_now_ms()
         with self._auto.connect() as conn:
@@ -892,22 +903,88 @@ class LeaseStore:
                 .mappings()
                 .all()
             )
-            taken: list[RunRecord] = []
+            taken: list[tuple[RunRecord, str]] = []
             for row in rows:
                 record = RunRecord(**dict(row))
-                stmt = (
-                    update(runs)
-                    .where(
-                        runs.c.id == record.id,
-                        runs.c.status == record.status,
-                        runs.c.attempt == record.attempt,
-                        runs.c.available_at == record.available_at,
-                    )
-                    .values(available_at=db_now_ms(), updated_at=db_now_ms())
+                unchanged = and_(
+                    runs.c.id == record.id,
+                    runs.c.status == record.status,
+                    runs.c.attempt == record.attempt,
+                    runs.c.available_at == record.available_at,
+                    runs.c.requeues == record.requeues,
                 )
-                if conn.execute(stmt).rowcount == 1:
-                    taken.append(record)
+                if record.requeues >= record.max_attempts:
+                    status = FAILED
+                    error = (
+                        f"published {record.requeues} times by the sweeper and never claimed "
+                        "(the task is unregistered or not leased on the workers, or routes to "
+                        "a queue no worker consumes)"
+                    )
+                    values = ended_values(db_now_ms(), FAILED, "undeliverable", error)
+                else:
+                    status = record.status
+                    values = {
+                        "available_at": db_now_ms(),
+                        "updated_at": db_now_ms(),
+                        "requeues": runs.c.requeues + 1,
+                    }
+                if conn.execute(update(runs).where(unchanged).values(**values)).rowcount == 1:
+                    taken.append((record, status))
         return taken
+
+    @_db_errors
+    def record_sweep(
+        self,
+        name: str,
+        *,
+        sweeper: str,
+        took_ms: int,
+        requeued: int = 0,
+        failed: int = 0,
+        cancelled: int = 0,
+        purged: int = 0,
+        errors: int = 0,
+    ) -> None:
+        """Record that the sweeper ``name`` swept this database now (DB clock): who swept,
+        how long it took and what it did. One row per name, replaced each sweep; one
+        short transaction (an ``UPDATE``, and an ``INSERT`` the first time)."""
+        values: dict[str, Any] = {
+            "swept_at": db_now_ms(),
+            "took_ms": max(0, int(took_ms)),
+            "sweeper": sweeper[: schema.MAX_ID_LENGTH],
+            "requeued": requeued,
+            "failed": failed,
+            "cancelled": cancelled,
+            "purged": purged,
+            "errors": errors,
+        }
+        row = schema.sweeps.c.name == name[:64]
+        for tries in (1, 2):
+            try:
+                with self.engine.begin() as conn:
+                    changed = conn.execute(update(schema.sweeps).where(row).values(**values))
+                    if changed.rowcount == 0:
+                        conn.execute(insert(schema.sweeps).values(name=name[:64], **values))
+                return
+            except IntegrityError:  # another sweeper of that name inserted first: update
+                if tries == 2:
+                    raise
+
+    @_db_errors
+    def last_sweep(self) -> dict[str, Any] | None:
+        """The latest sweep recorded on this database, with the database clock; read only.
+
+        Keys: the columns of ``celery_lease_sweeps`` and ``now`` (epoch ms). None
+        when no sweep was ever recorded.
+        """
+        stmt = (
+            select(schema.sweeps, db_now_ms().label("now"))
+            .order_by(schema.sweeps.c.swept_at.desc())
+            .limit(1)
+        )
+        with self._auto.connect() as conn:
+            row = conn.execute(stmt).mappings().first()
+        return None if row is None else dict(row)
 
     @_db_errors
     def release_owned_by(self, worker_id: str) -> list[RunRecord]:
@@ -1115,15 +1192,18 @@ class LeaseStore:
         }
 
     @_db_errors
-    def rerun(self, run_id: str, *, attempts: int, force: bool = False) -> RunRecord:
+    def rerun(
+        self, run_id: str, *, attempts: int, force: bool = False, task_id: str | None = None
+    ) -> RunRecord:
         """Put a ``failed``/``cancelled`` run (``succeeded`` too with ``force``) back to ``queued``.
 
         One guarded UPDATE (``WHERE status IN (...)``), so a run a worker holds
         or has queued is never touched. The run gets ``attempts`` fresh attempts
         without lowering ``attempt``, the fencing token: ``max_attempts`` becomes
         ``attempt + attempts``. Owner, lease, cancel request, failure and times
-        of the ended series are cleared; the stored message (if any) and the
-        run's own ``task_id`` are kept. Returns the row as it is now. Raises
+        of the ended series are cleared; the stored message (if any) is kept,
+        and the run's own ``task_id`` too unless ``task_id`` gives the one it is
+        published under now. Returns the row as it is now. Raises
         :class:`RunNotFound`, or :class:`RunNotRerunnable` with the status found.
         """
         if attempts < 1:
@@ -1145,7 +1225,9 @@ class LeaseStore:
                 finished_at=None,
                 last_error=None,
                 failure_code=None,
+                requeues=0,
                 updated_at=now,
+                **({} if task_id is None else {"task_id": task_id}),
             )
         )
         with self._auto.connect() as conn:

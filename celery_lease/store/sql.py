@@ -108,6 +108,8 @@ def takeover_values(
         "heartbeat_at": now,
         "attempt": runs.c.attempt + 1,
         "max_attempts": attempt_ceiling(max_attempts),
+        # A delivery reached a worker: the sweeper's re-publishes are counted afresh.
+        "requeues": 0,
         "started_at": func.coalesce(runs.c.started_at, now),
         "finished_at": None,
         "updated_at": now,
