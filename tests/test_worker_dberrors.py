@@ -9,6 +9,7 @@ then the delivery ends ``FAILURE`` with ``lease_db_unavailable``.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ from sqlalchemy.engine import make_url
 from celery_lease.run.republish import CLAIM_DB_RETRIES
 from celery_lease.store import LeaseStore
 from tests.cluster import Cluster
-from tests.helpers import Worker, wait_for
+from tests.conftest import PG_ENV
+from tests.helpers import Worker, require, wait_for
 
 FAST_BACKOFF = {"lease_retry_backoff": 0.01, "lease_retry_backoff_max": 0.05}
 
@@ -131,3 +133,54 @@ def test_unreachable_database_ends_failure_after_bounded_retries(pg_redis: Clust
         assert direct.get(run_id) is None  # no row could be written: Celery holds the outcome
     finally:
         direct.dispose()
+
+
+def set_read_only(db_url: str, on: bool) -> None:
+    """Make the database read-only (a standby during a failover) or writable again.
+
+    ``default_transaction_read_only`` applies to new sessions: every other session
+    on the database is terminated (SQLSTATE 57P01), so the next one picks it up.
+    """
+    admin = create_engine(require(os.environ.get(PG_ENV), PG_ENV), isolation_level="AUTOCOMMIT")
+    name = make_url(db_url).database
+    try:
+        with admin.connect() as conn:
+            setting = f"default_transaction_read_only = {'on' if on else 'off'}"
+            conn.execute(text(f'ALTER DATABASE "{name}" SET {setting}'))
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            )
+    finally:
+        admin.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_read_only_database_during_a_failover_loses_no_task(pg_redis: Cluster) -> None:
+    """The lease database turns read-only (SQLSTATE 25006, as a primary being switched
+    over) and the worker's sessions are terminated (57P01): the claim cannot be written,
+    and the delivery is re-published with backoff, never failed nor acked away. Once
+    the database is writable again the run succeeds, once (25006 used to be permanent:
+    the delivery failed at once and no row was ever written)."""
+    worker = pg_redis.start("w1", conf={"lease_retry_backoff": 1.0, "lease_retry_backoff_max": 2.0})
+    set_read_only(pg_redis.db_url, True)
+    pg_redis.store.dispose()
+    run_id = pg_redis.send("workerapp.work", 0.0)
+    wait_for(
+        lambda: "lease database unavailable (try 2 of" in worker.log(),
+        30,
+        what="the claim refused twice",
+    )
+    assert "read_only" in worker.log()
+    result = pg_redis.producer.AsyncResult(run_id)
+    assert result.state == "PENDING"  # not failed, not dropped
+    set_read_only(pg_redis.db_url, False)
+    pg_redis.store.dispose()
+    pg_redis.engine.dispose()  # the test's own sessions were terminated too
+    wait_for(lambda: pg_redis.status(run_id) == "succeeded", 60, what="the run after the failover")
+    assert len(pg_redis.effects(run_id, "commit")) == 1
+    wait_for(lambda: result.state == "SUCCESS", 20, what="the caller's result")
+    assert "claim failed for good" not in worker.log()
