@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +185,44 @@ def test_read_only_database_during_a_failover_loses_no_task(pg_redis: Cluster) -
     assert len(pg_redis.effects(run_id, "commit")) == 1
     wait_for(lambda: result.state == "SUCCESS", 20, what="the caller's result")
     assert "claim failed for good" not in worker.log()
+
+
+@pytest.mark.timeout(90)
+def test_ending_quietly_retries_a_database_error(pg_redis: Cluster, tmp_path: Path) -> None:
+    """The body ends with Ignore while another session holds the run's row lock past the
+    lock bound (lock_not_available, transient): the end is retried as the completion is,
+    and the run ends cancelled/ignored once the lock is released. It used to be tried
+    once: the run stayed running until its lease expired, and then ran again."""
+    worker = pg_redis.start("w1", conf=FAST_BACKOFF, CL_LEASE_SECONDS="6")
+    go = tmp_path / "go"
+    run_id = pg_redis.send("workerapp.gated_ignore", str(go))
+    wait_for(lambda: pg_redis.effects(run_id, "start"), 30, what="the body to start")
+    locker = create_engine(pg_redis.db_url)
+    try:
+        with locker.connect() as conn, conn.begin():
+            conn.execute(
+                text("SELECT id FROM celery_lease_runs WHERE id = :id FOR UPDATE"), {"id": run_id}
+            )
+            go.touch()  # the body raises Ignore: the end waits for the row lock
+
+            def end_waits() -> bool:
+                with pg_redis.engine.connect() as probe:
+                    return bool(
+                        probe.execute(
+                            text(
+                                "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                                "current_database() AND wait_event_type = 'Lock' "
+                                "AND query LIKE 'UPDATE celery_lease_runs%'"
+                            )
+                        ).scalar()
+                    )
+
+            wait_for(end_waits, 20, what="the end to wait for the row lock")
+            time.sleep(1.5)  # past the lock bound (1 s for 6 s leases): the first try failed
+        wait_for(lambda: pg_redis.status(run_id) == "cancelled", 4, what="the run to end ignored")
+    finally:
+        locker.dispose()
+    row = pg_redis.store.get(run_id)
+    assert row is not None and row.failure_code == "ignored" and row.attempt == 1
+    assert "could not end run" not in worker.log()
+    assert len(pg_redis.effects(run_id, "start")) == 1
