@@ -32,6 +32,7 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.utils.serialization import raise_with_context
+from kombu.exceptions import OperationalError
 
 from ..app import install
 from ..config import SETTING_NAMES, LeaseConfig
@@ -142,7 +143,7 @@ class LeasedTask(Task):  # type: ignore[misc]
                     shadow=shadow,
                     **options,
                 )
-            except Exception as exc:
+            except (OperationalError, OSError) as exc:  # the broker, not the message
                 republish.retry_refused(exc)
                 return None
         return super().apply_async(
