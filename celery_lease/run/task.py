@@ -16,6 +16,9 @@ Celery internals we rely on, and why (none of them has a public equivalent):
   sub-second countdown would be refused by native delayed delivery.
 - ``celery.utils.serialization.raise_with_context``: raise ``exc`` as Celery's own
   ``retry`` does once retries are spent.
+- ``Task.retry`` publishes its retry through the task's own ``apply_async`` (its
+  signature's ``type``), and turns a refused publish into ``Reject(requeue=False)``:
+  ``apply_async`` records the refusal instead while ``retry`` runs.
 - ``Task.on_replace``: overridden (a documented hook) so the
   replacement is published outside any interrupt.
 
@@ -129,33 +132,25 @@ class LeasedTask(Task):  # type: ignore[misc]
             if takes(self.run, call_args, call_kwargs):
                 key = key_value(self.name, config.key, call_args, call_kwargs)
                 scoped_run_id(config.namespace or self.name, key)
-        if republish.publishing_retry():
-            # Celery's retry() publishing its retry: a refused publish keeps the
-            # delivery for the sweeper instead of Celery's Reject(requeue=False).
-            try:
-                return super().apply_async(
-                    args,
-                    kwargs,
-                    task_id=task_id,
-                    producer=producer,
-                    link=link,
-                    link_error=link_error,
-                    shadow=shadow,
-                    **options,
-                )
-            except (OperationalError, OSError) as exc:  # the broker, not the message
-                republish.retry_refused(exc)
-                return None
-        return super().apply_async(
-            args,
-            kwargs,
-            task_id=task_id,
-            producer=producer,
-            link=link,
-            link_error=link_error,
-            shadow=shadow,
-            **options,
-        )
+        try:
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                **options,
+            )
+        except (OperationalError, OSError) as exc:  # the broker, not the message
+            if not republish.publishing_retry():
+                raise
+            # Celery's retry() publishing its retry: the refusal is recorded, and the
+            # attempt keeps the delivery for the sweeper instead of Celery's
+            # Reject(requeue=False).
+            republish.retry_refused(exc)
+            return None
 
     def retry(
         self,
