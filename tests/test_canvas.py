@@ -182,6 +182,26 @@ def test_keyed_duplicates_callers_group_and_chain_get_the_outcome(cluster: Clust
     assert len(cluster.effects("workerapp.keyed:2", "start")) == 1
 
 
+@pytest.mark.timeout(90)
+def test_keyed_run_finished_without_a_task_id_does_not_hang_later_calls(cluster: Cluster) -> None:
+    """A keyed run finished by a direct call ``task(...)`` (or written before migration
+    0002) has no task id: a later delay() of that key is a duplicate under another task
+    id, so its caller gets an outcome. A NULL task id used to count as "the same
+    delivery": the duplicate was dropped silently and its caller waited forever."""
+    run_id = "workerapp.keyed:9"
+    claim = cluster.store.claim(
+        run_id, "direct:1:x", task_name="workerapp.keyed", lease_ms=5000, max_attempts=5
+    )
+    cluster.store.complete(run_id, claim.owner, claim.attempt)
+    row = cluster.store.get(run_id)
+    assert row is not None and row.task_id is None and row.status == "succeeded"
+    cluster.start("w1", conf=FAST)
+    task_id = cluster.send("keyed", 9)
+    result(cluster, task_id).get(timeout=30)
+    assert result(cluster, task_id).state == "SUCCESS"
+    assert cluster.effects(run_id, "start") == []  # the body did not run again
+
+
 @pytest.mark.timeout(120)
 def test_autoretry_ends_in_failure_with_the_real_error(cluster: Cluster) -> None:
     """autoretry_for with Celery's default max_retries (None on LeasedTask): once the

@@ -144,3 +144,37 @@ def test_acks_late_reject_on_worker_lost_runs_once(cluster: Cluster) -> None:
     wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="the requeued run")
     assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
     assert cluster.producer.AsyncResult(run_id).get(timeout=10) == "done"
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("task", ["capped", "auto_capped"])
+def test_max_retries_bounds_the_run_next_to_lease_max_attempts(cluster: Cluster, task: str) -> None:
+    """A task with Celery's max_retries=1 and lease_max_attempts=5 runs its failing body
+    twice, then ends failed: whichever bound comes first wins (the body used to run 5
+    times when it raised)."""
+    cluster.start("w1", conf={**FAST, "lease_max_attempts": 5})
+    res = sig(cluster, task).apply_async()
+    with pytest.raises((RuntimeError, ValueError), match="attempt 2"):
+        res.get(timeout=40)
+    row = cluster.store.get(res.id)
+    assert row is not None and (row.status, row.attempt) == ("failed", 2)
+    time.sleep(1.0)
+    assert [e.attempt for e in cluster.effects(res.id, "start")] == [1, 2]
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_lease_key_signature_mismatch_is_invalid_lease_key_in_the_worker(
+    cluster: Cluster,
+) -> None:
+    """lease_key=lambda n: n on a task called with (n, secs): the delivery fails for good
+    with InvalidLeaseKey naming the task and the mismatch, never a bare TypeError."""
+    cluster.start("w1", conf=FAST)
+    res = cluster.producer.AsyncResult(cluster.send("narrow_key", 2, 3.0))  # no call-time check
+    with pytest.raises(Exception, match="invalid_lease_key") as failed:
+        res.get(timeout=30)
+    assert "workerapp.narrow_key" in str(failed.value)
+    assert "lease_key(n)" in str(failed.value)
+    assert res.state == "FAILURE"
+    assert cluster.effects_of_kind("start") == []

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pymysql
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -39,6 +40,9 @@ def _claim(store: LeaseStore, run_id: str, **kw: object) -> object:
         ("postgresql", psycopg.errors.QueryCanceled(), True, "timeout"),
         ("postgresql", psycopg.errors.TooManyConnections(), True, "too_many_connections"),
         ("postgresql", psycopg.errors.AdminShutdown(), True, "server_shutdown"),
+        ("postgresql", psycopg.errors.CrashShutdown(), True, "server_shutdown"),
+        ("postgresql", psycopg.errors.CannotConnectNow(), True, "server_starting"),
+        ("postgresql", psycopg.errors.ReadOnlySqlTransaction(), True, "read_only"),
         ("postgresql", psycopg.errors.StringDataRightTruncation(), False, "data_too_long"),
         ("postgresql", psycopg.errors.NumericValueOutOfRange(), False, "out_of_range"),
         ("postgresql", psycopg.errors.UndefinedTable(), False, "missing_table"),
@@ -63,6 +67,9 @@ def _claim(store: LeaseStore, run_id: str, **kw: object) -> object:
         ("mysql", pymysql.err.OperationalError(2003, "Can't connect"), True, "connection_refused"),
         ("mysql", pymysql.err.OperationalError(2013, "Lost connection"), True, "disconnect"),
         ("mysql", pymysql.err.OperationalError(1969, "max_statement_time"), True, "timeout"),
+        ("mysql", pymysql.err.OperationalError(1290, "--read-only option"), True, "read_only"),
+        ("mysql", pymysql.err.OperationalError(1792, "READ ONLY transaction"), True, "read_only"),
+        ("mysql", pymysql.err.OperationalError(1836, "read-only mode"), True, "read_only"),
         ("mysql", pymysql.err.DataError(1406, "Data too long"), False, "data_too_long"),
         ("mysql", pymysql.err.DataError(1264, "Out of range"), False, "out_of_range"),
         ("mysql", pymysql.err.ProgrammingError(1146, "no such table"), False, "missing_table"),
@@ -113,6 +120,40 @@ def test_check_run_id_bounds_the_id_column() -> None:
         with pytest.raises(LeaseInputError) as refused:
             check_run_id(bad)
         assert refused.value.field == "run_id"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_read_only_session_is_a_transient_claim_error(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """A session that may not write (a standby, or a primary being switched over:
+    PostgreSQL 25006, MySQL 1792) fails the claim as transient ``read_only``: the
+    delivery is sent again later, never failed for good."""
+    url = str(request.getfixturevalue("pg_url" if backend == "postgresql" else "mysql_url"))
+    LeaseStore.from_url(url).create_schema()
+    engine = create_engine(url)
+    statement = (
+        "SET SESSION default_transaction_read_only = on"
+        if backend == "postgresql"
+        else "SET SESSION TRANSACTION READ ONLY"
+    )
+
+    @event.listens_for(engine, "connect")
+    def read_only(dbapi_connection: Any, _: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(statement)
+        cursor.close()
+        dbapi_connection.commit()
+
+    store = LeaseStore(engine)
+    try:
+        with pytest.raises(LeaseDatabaseError) as failed:
+            _claim(store, "r1")
+        assert failed.value.transient and failed.value.cause == "read_only"
+        assert failed.value.failure_code == "lease_db_unavailable"
+    finally:
+        store.dispose()
 
 
 def test_permanent_error_from_the_store_names_its_cause(store: LeaseStore) -> None:

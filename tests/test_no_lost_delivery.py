@@ -174,3 +174,45 @@ def test_republish_refused_without_acks_late_is_kept_for_the_sweeper(
         assert "kept in the lease database" in worker.log()
     finally:
         cluster.close()
+
+
+@pytest.mark.timeout(90)
+def test_celery_retry_refused_by_the_broker_is_kept_for_the_sweeper(
+    pg_url: str,
+    private_redis: PrivateRedis,
+    tmp_path: Path,
+    workers: list[Worker],
+) -> None:
+    """The body calls ``self.retry(countdown=1)`` while the broker is down: Celery's own
+    retry path turns the refused publish into ``Reject(requeue=False)``, which used to
+    end the run ``failed``/``rejected``. The run is recorded ``retrying`` with the retry
+    message instead, and once the broker is back (empty) the sweeper sends it: the
+    retry runs and the run succeeds."""
+    cluster = Cluster(pg_url, {"CL_BROKER_URL": private_redis.url}, tmp_path, workers)
+    try:
+        gate = tmp_path / "gate"
+        gate.mkdir()
+        worker = cluster.start(
+            "w1",
+            conf=CONF,
+            concurrency=1,
+            CL_LEASE_SECONDS="2",
+            CL_HEARTBEAT="0.5",
+            CL_PUBLISH_GATE=str(gate),
+        )
+        (gate / "armed").touch()
+        run_id = cluster.send("retry_later", 1.0)
+        wait_for((gate / "reached").exists, 30, what="the retry's publish")
+        private_redis.stop()
+        (gate / "go").touch()
+        wait_for(lambda: "refused the retry" in worker.log(), 30, what="the refused retry")
+        row = cluster.store.get(run_id)
+        assert row is not None and row.status == "retrying", row
+        assert row.payload is not None  # the retry message, for the sweeper
+
+        private_redis.start()  # empty: the broker lost every message it had
+        cluster.start_beat(CONF)
+        wait_for(lambda: cluster.status(run_id) == "succeeded", 40, what="the sweeper's re-send")
+        assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
+    finally:
+        cluster.close()

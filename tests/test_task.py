@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_lease import LeasedTask, LeaseError, current_lease
+from celery_lease import InvalidLeaseKey, LeasedTask, LeaseError, current_lease
 from celery_lease.runtime import store_for
 
 from .helpers import driver_statements
@@ -142,3 +142,41 @@ def test_leased_task_adds_only_the_public_lease_api_to_task_classes() -> None:
     assert added == {"lease", "lease_config", "lease_run_id"}
     doc = LeasedTask.__doc__ or ""
     assert all(f"``{name}" in doc for name in added)
+
+
+def test_key_check_at_call_time_covers_kwargs_and_signature_mismatch(app: Celery) -> None:
+    """delay()/apply_async() check lease_key with the call's arguments: also when they are
+    given as kwargs only (the check used to run only when args was not None), and a key
+    whose signature does not match the call is InvalidLeaseKey naming the task and the
+    mismatch, while a TypeError raised inside the key function is the key's own error."""
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="inproc.none_key", lease_key=lambda x: None
+    )
+    def none_key(self: LeasedTask, x: int) -> int:
+        return x
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="inproc.narrow", lease_key=lambda n: n)
+    def narrow(self: LeasedTask, n: int, secs: float = 0.0) -> int:
+        return n
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="inproc.buggy",
+        lease_key=lambda n: len(n),
+    )
+    def buggy(self: LeasedTask, n: int) -> int:
+        return n
+
+    with pytest.raises(InvalidLeaseKey, match="NoneType"):
+        none_key.apply_async(kwargs={"x": 1})
+    with pytest.raises(InvalidLeaseKey, match=r"inproc\.narrow: lease_key\(n\) does not match"):
+        narrow.delay(2, secs=3)
+    with pytest.raises(InvalidLeaseKey, match=r"inproc\.narrow"):
+        narrow.apply_async(kwargs={"n": 2, "secs": 3})
+    with pytest.raises(TypeError) as raised:
+        buggy.delay(2)  # len(2): the key function's own bug, not a mismatch
+    assert not isinstance(raised.value, InvalidLeaseKey)
+    assert narrow.lease_run_id(2) == "inproc.narrow:2"

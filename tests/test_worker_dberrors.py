@@ -9,8 +9,10 @@ then the delivery ends ``FAILURE`` with ``lease_db_unavailable``.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from sqlalchemy.engine import make_url
 from celery_lease.run.republish import CLAIM_DB_RETRIES
 from celery_lease.store import LeaseStore
 from tests.cluster import Cluster
-from tests.helpers import Worker, wait_for
+from tests.conftest import PG_ENV
+from tests.helpers import Worker, require, wait_for
 
 FAST_BACKOFF = {"lease_retry_backoff": 0.01, "lease_retry_backoff_max": 0.05}
 
@@ -131,3 +134,95 @@ def test_unreachable_database_ends_failure_after_bounded_retries(pg_redis: Clust
         assert direct.get(run_id) is None  # no row could be written: Celery holds the outcome
     finally:
         direct.dispose()
+
+
+def set_read_only(db_url: str, on: bool) -> None:
+    """Make the database read-only (a standby during a failover) or writable again.
+
+    ``default_transaction_read_only`` applies to new sessions: every other session
+    on the database is terminated (SQLSTATE 57P01), so the next one picks it up.
+    """
+    admin = create_engine(require(os.environ.get(PG_ENV), PG_ENV), isolation_level="AUTOCOMMIT")
+    name = make_url(db_url).database
+    try:
+        with admin.connect() as conn:
+            setting = f"default_transaction_read_only = {'on' if on else 'off'}"
+            conn.execute(text(f'ALTER DATABASE "{name}" SET {setting}'))
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            )
+    finally:
+        admin.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_read_only_database_during_a_failover_loses_no_task(pg_redis: Cluster) -> None:
+    """The lease database turns read-only (SQLSTATE 25006, as a primary being switched
+    over) and the worker's sessions are terminated (57P01): the claim cannot be written,
+    and the delivery is re-published with backoff, never failed nor acked away. Once
+    the database is writable again the run succeeds, once (25006 used to be permanent:
+    the delivery failed at once and no row was ever written)."""
+    worker = pg_redis.start("w1", conf={"lease_retry_backoff": 1.0, "lease_retry_backoff_max": 2.0})
+    set_read_only(pg_redis.db_url, True)
+    pg_redis.store.dispose()
+    run_id = pg_redis.send("workerapp.work", 0.0)
+    wait_for(
+        lambda: "lease database unavailable (try 2 of" in worker.log(),
+        30,
+        what="the claim refused twice",
+    )
+    assert "read_only" in worker.log()
+    result = pg_redis.producer.AsyncResult(run_id)
+    assert result.state == "PENDING"  # not failed, not dropped
+    set_read_only(pg_redis.db_url, False)
+    pg_redis.store.dispose()
+    pg_redis.engine.dispose()  # the test's own sessions were terminated too
+    wait_for(lambda: pg_redis.status(run_id) == "succeeded", 60, what="the run after the failover")
+    assert len(pg_redis.effects(run_id, "commit")) == 1
+    wait_for(lambda: result.state == "SUCCESS", 20, what="the caller's result")
+    assert "claim failed for good" not in worker.log()
+
+
+@pytest.mark.timeout(90)
+def test_ending_quietly_retries_a_database_error(pg_redis: Cluster, tmp_path: Path) -> None:
+    """The body ends with Ignore while another session holds the run's row lock past the
+    lock bound (lock_not_available, transient): the end is retried as the completion is,
+    and the run ends cancelled/ignored once the lock is released. It used to be tried
+    once: the run stayed running until its lease expired, and then ran again."""
+    worker = pg_redis.start("w1", conf=FAST_BACKOFF, CL_LEASE_SECONDS="6")
+    go = tmp_path / "go"
+    run_id = pg_redis.send("workerapp.gated_ignore", str(go))
+    wait_for(lambda: pg_redis.effects(run_id, "start"), 30, what="the body to start")
+    locker = create_engine(pg_redis.db_url)
+    try:
+        with locker.connect() as conn, conn.begin():
+            conn.execute(
+                text("SELECT id FROM celery_lease_runs WHERE id = :id FOR UPDATE"), {"id": run_id}
+            )
+            go.touch()  # the body raises Ignore: the end waits for the row lock
+
+            def end_waits() -> bool:
+                with pg_redis.engine.connect() as probe:
+                    return bool(
+                        probe.execute(
+                            text(
+                                "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                                "current_database() AND wait_event_type = 'Lock' "
+                                "AND query LIKE 'UPDATE celery_lease_runs%'"
+                            )
+                        ).scalar()
+                    )
+
+            wait_for(end_waits, 20, what="the end to wait for the row lock")
+            time.sleep(1.5)  # past the lock bound (1 s for 6 s leases): the first try failed
+        wait_for(lambda: pg_redis.status(run_id) == "cancelled", 4, what="the run to end ignored")
+    finally:
+        locker.dispose()
+    row = pg_redis.store.get(run_id)
+    assert row is not None and row.failure_code == "ignored" and row.attempt == 1
+    assert "could not end run" not in worker.log()
+    assert len(pg_redis.effects(run_id, "start")) == 1

@@ -445,6 +445,48 @@ def partitioned(self: LeasedTask, seconds: float) -> str:
     return "committed"
 
 
+@app.task(base=LeasedTask, bind=True, name="workerapp.capped", max_retries=1)
+def capped(self: LeasedTask) -> None:
+    """Always fails; Celery's ``max_retries=1`` bounds it next to ``lease_max_attempts``."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise RuntimeError(f"capped attempt {self.lease.attempt}")
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.auto_capped",
+    autoretry_for=(ValueError,),
+    retry_kwargs={"countdown": 0.1},
+    max_retries=1,
+)
+def auto_capped(self: LeasedTask) -> None:
+    """autoretry_for with ``max_retries=1``: the body runs twice at most."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise ValueError(f"auto capped attempt {self.lease.attempt}")
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.narrow_key", lease_key=lambda n: n)
+def narrow_key(self: LeasedTask, n: int, secs: float = 0.0) -> int:
+    """A key function that takes fewer arguments than the task: a misuse."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return n
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.gated_ignore")
+def gated_ignore(self: LeasedTask, gate: str) -> None:
+    """Waits (bounded) until the file ``gate`` exists, then ends the run with Ignore."""
+    from pathlib import Path
+
+    from celery.exceptions import Ignore
+
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + 30
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    raise Ignore()
+
+
 if os.environ.get("CL_PUBLISH_GATE"):
     # Broker-outage tests: hold the first publish of a workerapp task made after the
     # test creates ``<gate>/armed``, until it creates ``<gate>/go`` (bounded), so the

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
@@ -36,6 +37,8 @@ from ..store import ClaimResult
 from . import duplicates, republish, runids
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: How long a completion may keep retrying a database error, at most.
 COMPLETE_RETRY_SECONDS = 5.0
@@ -253,27 +256,34 @@ class Attempt:
 
     # -- outcome ----------------------------------------------------------------------
 
-    def _complete(self, lease: Lease) -> None:
-        """The guarded completion; database errors are retried while the lease may hold."""
+    def _write(self, write: Callable[[], T]) -> T:
+        """``write()``, a guarded write of the outcome; transient database errors are
+        retried for up to ``COMPLETE_RETRY_SECONDS`` (while the lease may hold), then raised."""
         deadline = time.monotonic() + min(COMPLETE_RETRY_SECONDS, self.config.lease_seconds)
         delay = 0.05
         while True:
             try:
-                lease.complete()
-                return
-            except LeaseLost as exc:
-                self._on_lost(lease, exc)
+                return write()
             except LeaseDatabaseError as exc:
                 if not exc.transient or time.monotonic() + delay >= deadline:
-                    lost = LeaseLost(
-                        lease.run_id,
-                        lease.owner,
-                        lease.attempt,
-                        f"complete failed: {describe_exception(exc, 300)}",
-                    )
-                    self._on_lost(lease, lost)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _complete(self, lease: Lease) -> None:
+        """The guarded completion; database errors are retried while the lease may hold."""
+        try:
+            self._write(lease.complete)
+        except LeaseLost as exc:
+            self._on_lost(lease, exc)
+        except LeaseDatabaseError as exc:
+            lost = LeaseLost(
+                lease.run_id,
+                lease.owner,
+                lease.attempt,
+                f"complete failed: {describe_exception(exc, 300)}",
+            )
+            self._on_lost(lease, lost)
 
     def _completed_by_body(self, lease: Lease) -> bool:
         """True when this owner's ``fence(complete=True)`` committed the run's success."""
@@ -326,6 +336,7 @@ class Attempt:
         ``available_at`` = its ETA, the retry as the stored message), so no sweep
         sends the run before then.
         """
+        refused = republish.take_refused_retry()
         delay = 0.0 if self.request.is_eager else seconds_until(exc.when)
         cause = exc.exc if isinstance(exc.exc, BaseException) else None
         message = None
@@ -365,6 +376,28 @@ class Attempt:
                 describe_exception(db_exc),
                 level=logging.WARNING,
             )
+            if refused is not None:
+                # Neither the broker nor the lease database took the retry.
+                logger.error(
+                    "celery-lease: could not publish the retry of %s (%s) nor keep it for "
+                    "the sweeper: asking the broker to requeue; without acks_late this "
+                    "delivery may be lost",
+                    self.request.id,
+                    describe_exception(refused),
+                    extra={"lease_event": "delivery_lost"},
+                )
+                raise Reject(requeue=True) from refused
+        if refused is not None:
+            lease.events.emit(
+                "publish_deferred",
+                lease.run_id,
+                "run %s: the broker refused the retry of %s (%s); kept in the lease "
+                "database, the sweeper sends it",
+                lease.run_id,
+                self.request.id,
+                describe_exception(refused),
+                level=logging.WARNING,
+            )
         lease.events.emit(
             "retrying",
             lease.run_id,
@@ -380,7 +413,11 @@ class Attempt:
         last = ceiling(config, lease)
         # After a rerun the backoff starts over: count this series' failures only.
         failures = lease.attempt - (last - config.max_attempts)
-        retry_in = None if lease.attempt >= last else republish.backoff_delay(config, failures)
+        # Celery's max_retries, when the task sets one, bounds the body's runs too:
+        # whichever of it and lease_max_attempts is reached first ends the run.
+        max_retries = self.task.max_retries
+        spent = lease.attempt >= last or (max_retries is not None and failures > max_retries)
+        retry_in = None if spent else republish.backoff_delay(config, failures)
         try:
             status = self.runtime.store.fail(
                 lease.run_id,
@@ -436,15 +473,21 @@ class Attempt:
         failure_code: str,
         cause: BaseException | None = None,
     ) -> None:
-        """End the run as the body chose (Ignore, Reject, replace); a lost lease is logged."""
+        """End the run as the body chose (Ignore, Reject, replace); a lost lease is logged.
+
+        Database errors are retried as the completion's are: a run that chose to end
+        must not be left for the sweeper to run again after one lock timeout.
+        """
         try:
-            self.runtime.store.end(
-                lease.run_id,
-                lease.owner,
-                lease.attempt,
-                status=status,
-                failure_code=failure_code,
-                error=describe_exception(cause) if cause is not None else None,
+            self._write(
+                lambda: self.runtime.store.end(
+                    lease.run_id,
+                    lease.owner,
+                    lease.attempt,
+                    status=status,
+                    failure_code=failure_code,
+                    error=describe_exception(cause) if cause is not None else None,
+                )
             )
         except LeaseError as exc:
             logger.warning(

@@ -33,7 +33,8 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     ``REVOKED``, and its continuation proceeds with it.
     """
     own_id = delivery.request.id
-    same = claim.task_id is None or own_id is None or own_id == claim.task_id
+    # A NULL task id (a direct call, a row from before migration 0002) is nobody's.
+    same = claim.task_id is not None and own_id == claim.task_id
     delivery.events.emit(
         "duplicate_dropped",
         claim.run_id,

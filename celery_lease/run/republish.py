@@ -7,9 +7,12 @@ id, concurrency key and store, never work them out again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
 from celery import Celery
@@ -40,6 +43,52 @@ DB_ERRORS_HEADER = "celery_lease_db_errors"
 
 #: How long a refused re-publish is retried before the delivery is left to the sweeper.
 PUBLISH_RETRY_SECONDS = 3.0
+
+
+#: True while ``LeasedTask.retry`` lets Celery publish the retry of a leased delivery.
+_publishing_retry: ContextVar[bool] = ContextVar("celery_lease_publishing_retry", default=False)
+#: The publish error of a retry the broker refused, until the attempt records the retry.
+_refused_retry: ContextVar[BaseException | None] = ContextVar(
+    "celery_lease_refused_retry", default=None
+)
+
+
+@contextlib.contextmanager
+def retry_publish(leased: bool) -> Iterator[None]:
+    """Around Celery's ``retry()`` of a leased delivery: a refused publish is kept.
+
+    Celery turns a refused retry publish into ``Reject(requeue=False)``, which
+    would end the run ``failed``. Inside this block ``LeasedTask.apply_async``
+    records the error instead (:func:`retry_refused`) and Celery raises its
+    ``Retry``; the attempt then records the run ``retrying`` with the retry
+    message, available at the retry's ETA, and the sweeper sends it.
+    """
+    if not leased:
+        yield
+        return
+    _refused_retry.set(None)
+    token = _publishing_retry.set(True)
+    try:
+        yield
+    finally:
+        _publishing_retry.reset(token)
+
+
+def publishing_retry() -> bool:
+    """True inside :func:`retry_publish`: the publish being made is Celery's retry."""
+    return _publishing_retry.get()
+
+
+def retry_refused(error: BaseException) -> None:
+    """Record that the broker refused the retry being published (see :func:`retry_publish`)."""
+    _refused_retry.set(error)
+
+
+def take_refused_retry() -> BaseException | None:
+    """The refused retry publish of this delivery, if any, forgetting it."""
+    error = _refused_retry.get()
+    _refused_retry.set(None)
+    return error
 
 
 def backoff_delay(config: LeaseConfig, attempt: int) -> float:

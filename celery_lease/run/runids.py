@@ -8,7 +8,9 @@ and :mod:`~celery_lease.run.duplicates` take an attempt without importing it.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kombu.serialization import dumps
@@ -80,6 +82,41 @@ def scoped_run_id(namespace: str, key: Any) -> str:
     if key == "":
         raise InvalidLeaseKey("lease_key returned an empty string")
     return fit_run_id(f"{namespace}:{key}")
+
+
+def takes(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when ``function``'s signature accepts ``args``/``kwargs`` (or cannot be read)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to check
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def key_value(
+    task_name: str, key: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``key(*args, **kwargs)``, the task's ``lease_key`` applied to a call's arguments.
+
+    Raises:
+        InvalidLeaseKey: the key's signature does not accept the arguments (told
+            apart from a ``TypeError`` raised inside the key function, which propagates).
+    """
+    if not takes(key, args, kwargs):
+        try:
+            signature = str(inspect.signature(key))
+        except (TypeError, ValueError):
+            signature = "(...)"
+        shown = ", ".join([*(type(a).__name__ for a in args), *(f"{k}=" for k in kwargs)])
+        raise InvalidLeaseKey(
+            f"{task_name}: lease_key{signature} does not match the call's arguments "
+            f"({shown}); give lease_key the task's own signature"
+        )
+    return key(*args, **kwargs)
 
 
 def fit_run_id(run_id: str) -> str:

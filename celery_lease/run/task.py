@@ -16,6 +16,9 @@ Celery internals we rely on, and why (none of them has a public equivalent):
   sub-second countdown would be refused by native delayed delivery.
 - ``celery.utils.serialization.raise_with_context``: raise ``exc`` as Celery's own
   ``retry`` does once retries are spent.
+- ``Task.retry`` publishes its retry through the task's own ``apply_async`` (its
+  signature's ``type``), and turns a refused publish into ``Reject(requeue=False)``:
+  ``apply_async`` records the refusal instead while ``retry`` runs.
 - ``Task.on_replace``: overridden (a documented hook) so the
   replacement is published outside any interrupt.
 
@@ -32,14 +35,16 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.utils.serialization import raise_with_context
+from kombu.exceptions import OperationalError
 
 from ..app import install
 from ..config import SETTING_NAMES, LeaseConfig
 from ..errors import InvalidLeaseKey
 from ..lease.lease import Lease, current_lease, current_or_none
 from ..runtime import app_config, app_runtime
+from . import republish
 from .attempt import Attempt, Replaced, ceiling
-from .runids import scoped_run_id
+from .runids import key_value, scoped_run_id, takes
 
 
 class LeasedTask(Task):  # type: ignore[misc]
@@ -91,12 +96,15 @@ class LeasedTask(Task):  # type: ignore[misc]
         """The run id a keyed task uses for these arguments (``namespace:key``).
 
         Raises:
-            InvalidLeaseKey: the task has no ``lease_key``, or it returned a bad key.
+            InvalidLeaseKey: the task has no ``lease_key``, its signature does not
+                match these arguments, or it returned a bad key.
         """
         config = self.lease_config()
         if config.key is None:
             raise InvalidLeaseKey(f"{self.name} has no lease_key: its run id is the task id")
-        return scoped_run_id(config.namespace or self.name, config.key(*args, **kwargs))
+        return scoped_run_id(
+            config.namespace or self.name, key_value(self.name, config.key, args, kwargs)
+        )
 
     def apply_async(
         self,
@@ -111,27 +119,38 @@ class LeasedTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's ``apply_async``; a bad ``lease_key`` value is refused here, at call time.
 
+        Arguments the task itself does not take (a partial signature; Celery's own
+        argument check decides) are left to the worker, which checks the full call.
+
         Raises:
-            InvalidLeaseKey: the key function returned None, a non-str/int or "".
+            InvalidLeaseKey: the key function does not take the call's arguments, or
+                returned None, a non-str/int or "".
         """
         config = self.lease_config()
-        if config.key is not None and args is not None:
-            try:
-                key = config.key(*(args or ()), **(kwargs or {}))
-            except TypeError:
-                key = ""  # partial arguments (a chain step): checked in the worker
-            else:
+        if config.key is not None and (args is not None or kwargs is not None):
+            call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
+            if takes(self.run, call_args, call_kwargs):
+                key = key_value(self.name, config.key, call_args, call_kwargs)
                 scoped_run_id(config.namespace or self.name, key)
-        return super().apply_async(
-            args,
-            kwargs,
-            task_id=task_id,
-            producer=producer,
-            link=link,
-            link_error=link_error,
-            shadow=shadow,
-            **options,
-        )
+        try:
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                **options,
+            )
+        except (OperationalError, OSError) as exc:  # the broker, not the message
+            if not republish.publishing_retry():
+                raise
+            # Celery's retry() publishing its retry: the refusal is recorded, and the
+            # attempt keeps the delivery for the sweeper instead of Celery's
+            # Reject(requeue=False).
+            republish.retry_refused(exc)
+            return None
 
     def retry(
         self,
@@ -150,6 +169,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         behaves as Celery does when ``max_retries`` is exceeded: ``exc`` (or
         ``MaxRetriesExceededError``) is raised, so the run ends ``failed`` and
         Celery's state ``FAILURE`` with the real error.
+
+        A retry the broker refuses is not Celery's ``Reject(requeue=False)``: the
+        run is recorded ``retrying`` with the retry message, and the sweeper sends
+        it at the retry's ETA.
         """
         lease = current_or_none()
         if lease is not None and lease.attempt >= ceiling(self.lease_config(), lease):
@@ -160,7 +183,10 @@ class LeasedTask(Task):  # type: ignore[misc]
                 f"({lease.attempt} of {ceiling(self.lease_config(), lease)})"
             )
         # Celery publishes the retry here: no interrupt may land inside kombu.
-        with lease.uninterruptible() if lease is not None else contextlib.nullcontext():
+        with (
+            lease.uninterruptible() if lease is not None else contextlib.nullcontext(),
+            republish.retry_publish(lease is not None),
+        ):
             return super().retry(
                 args,
                 kwargs,

@@ -45,6 +45,10 @@ class MySQL(Database):
         2006: transient("disconnect"),
         2013: transient("disconnect"),
         2055: transient("disconnect"),
+        # A replica, or a primary being switched over: writable again after the failover.
+        1290: transient("read_only"),  # --read-only / --super-read-only
+        1792: transient("read_only"),  # a READ ONLY transaction
+        1836: transient("read_only"),  # read-only mode
         1406: permanent("data_too_long"),
         1264: permanent("out_of_range"),
         1690: permanent("out_of_range"),
@@ -63,8 +67,6 @@ class MySQL(Database):
         1062: permanent("duplicate_key"),
         1048: permanent("integrity"),
         1452: permanent("integrity"),
-        1792: permanent("read_only"),
-        1290: permanent("read_only"),
     }
 
     def __init__(self) -> None:

@@ -52,6 +52,8 @@ class PostgreSQL(Database):
         "57P02": transient("server_shutdown"),
         "57P03": transient("server_starting"),
         "53300": transient("too_many_connections"),
+        # A standby, or a primary being switched over: writable again after the failover.
+        "25006": transient("read_only"),  # read_only_sql_transaction
         "23505": permanent("duplicate_key"),
         "22001": permanent("data_too_long"),
         "22003": permanent("out_of_range"),
@@ -61,7 +63,6 @@ class PostgreSQL(Database):
         "28000": permanent("auth_failed"),
         "28P01": permanent("auth_failed"),
         "3D000": permanent("missing_database"),
-        "25006": permanent("read_only"),
     }
     classes: ClassVar[dict[str, Classification]] = {
         "08": transient("disconnect"),
