@@ -609,14 +609,27 @@ class LeaseStore:
             raise self._lost(run_id, owner, attempt, f"{action} refused")
 
     @_db_errors
-    def complete(self, run_id: str, owner: str, attempt: int) -> None:
+    def complete(
+        self,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        result: tuple[bytes, str] | None = None,
+    ) -> None:
         """Record success; only the current owner of a running run can. Else :class:`LeaseLost`.
+
+        ``result`` is the body's return value serialized, ``(bytes, content type)``,
+        kept in the row by the same statement (for a replay of the outcome to
+        Celery's result backend); the caller bounds its size.
 
         Idempotent for its owner: if this owner and attempt already completed
         the run (``fence(complete=True)``, or a retry after a lost reply), it
         returns quietly.
         """
-        params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
+        params: dict[str, Any] = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
+        if result is not None:
+            params["p_result"], params["p_result_ct"] = result
         if self._complete_driver is not None:
             if self._complete_driver.execute(params)[0] == 1:
                 return
