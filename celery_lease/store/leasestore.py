@@ -637,6 +637,22 @@ class LeaseStore:
             with self._auto.connect() as conn:
                 if conn.execute(self._complete_stmt, params).rowcount == 1:
                     return
+        if result is not None:
+            # Completed already by this owner's fence(complete=True): keep the
+            # result now (this statement stands in for the read below).
+            kept = (
+                update(runs)
+                .where(
+                    runs.c.id == run_id,
+                    runs.c.lease_owner == owner,
+                    runs.c.attempt == attempt,
+                    runs.c.status == SUCCEEDED,
+                )
+                .values(result=result[0], result_content_type=result[1])
+            )
+            with self._auto.connect() as conn:
+                if conn.execute(kept).rowcount == 1:
+                    return
         row = self.get(run_id)
         if row and row.status == SUCCEEDED and row.lease_owner == owner and row.attempt == attempt:
             return
