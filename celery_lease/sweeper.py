@@ -7,12 +7,10 @@ from typing import Any
 
 from celery import Celery
 
-from .errors import LeaseError
 from .requeue import SweepReport, requeue_all
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
-from .run.outcome import record_outcome
+from .run.outcome import record_ended
 from .runtime import app_config, app_runtime, store_for
-from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
 
@@ -64,22 +62,12 @@ def sweep(
     if stale_after is None:
         stale_after = config.sweep_interval + config.lease_seconds
     requeue_all(app, store.reclaim_stale(stale_after, limit), report, "stranded", store)
-    record_outcomes(app, store, report.failed + report.cancelled)
+    record_ended(app, store, report.failed + report.cancelled)
     if purge_limit:
         report.purged.update(
             sweep_retention(store, config.retention, purge_limit, purge_budget, events).removed
         )
     return report
-
-
-def record_outcomes(app: Celery, store: LeaseStore, run_ids: list[str]) -> None:
-    """Record the outcome of runs this sweep ended in Celery's result backend (FAILURE with
-    ``RunFailed``, or REVOKED), so their callers resolve and ``link_error`` runs once."""
-    for run_id in run_ids:
-        try:
-            record_outcome(app, store.get(run_id))
-        except LeaseError as exc:
-            logger.warning("run %s: outcome not recorded: %s", run_id, describe_exception(exc))
 
 
 def register_sweep_task(app: Celery) -> None:

@@ -25,6 +25,7 @@ from sqlalchemy.engine import make_url
 from .config import LeaseConfig, celery_command, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
 from .requeue import SweepReport, requeue_all
+from .run.outcome import record_ended
 from .run.runids import run_id_of
 from .run.task import LeasedTask
 from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
@@ -293,7 +294,9 @@ def _on_worker_shutting_down(app: Celery, how: str) -> None:
                 describe_exception(exc),
             )
             continue
-        requeue_all(app, released, SweepReport(), "handoff", runtime.store)
+        handed = SweepReport()
+        requeue_all(app, released, handed, "handoff", runtime.store)
+        record_ended(app, runtime.store, handed.failed + handed.cancelled)
 
 
 def _on_task_revoked(

@@ -19,8 +19,13 @@ from .runids import Delivery
 logger = logging.getLogger(__name__)
 
 #: How many times a duplicate of a finished run waits for that run's result to be
-#: stored by Celery before it gives up and reports ``None``.
+#: stored by Celery (or a redelivery waits before replaying it) before it gives up.
 RESULT_WAIT_TRIES = 8
+
+#: A redelivery of the run's own succeeded delivery within this many seconds of
+#: the run's end waits before replaying it: the worker that ran it may still be
+#: storing the result (Celery stores it just after the lease commit).
+REPLAY_GRACE_SECONDS = 2.0
 
 
 def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
@@ -71,6 +76,12 @@ def _replay_own(delivery: Delivery, claim: ClaimResult) -> Any:
             own_id,
         )
         raise Ignore()
+    if delivery.request.retries < RESULT_WAIT_TRIES and _ended_within(
+        delivery, found, REPLAY_GRACE_SECONDS
+    ):
+        # The run has just ended: the worker that ran it may be storing the
+        # result right now (a redelivery racing it). Look again shortly.
+        reschedule(delivery, REPLAY_GRACE_SECONDS / 2, Ignore())
     try:
         result = found.result()
     except Exception as exc:
@@ -86,6 +97,17 @@ def _replay_own(delivery: Delivery, claim: ClaimResult) -> Any:
         own_id,
     )
     return result
+
+
+def _ended_within(delivery: Delivery, found: Outcome, seconds: float) -> bool:
+    """True when the run ended less than ``seconds`` ago (database clock)."""
+    ended = found.record.finished_at or found.record.updated_at
+    if ended is None:
+        return False
+    try:
+        return bool(delivery.runtime.store.now_ms() - ended < seconds * 1000)
+    except LeaseDatabaseError:
+        return True
 
 
 def _row_outcome(delivery: Delivery, run_id: str) -> Outcome | None:

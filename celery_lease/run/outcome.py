@@ -27,11 +27,11 @@ from celery import Celery, signature, states
 from celery.app.task import Context
 from kombu.serialization import dumps, loads, prepare_accept_content
 
-from ..errors import RunFailed
+from ..errors import LeaseError, RunFailed
 from ..requeue import MessageNotAccepted, decode_message
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, FAILED, MAX_RESULT_BYTES, SUCCEEDED
-from ..store import RunRecord
+from ..store import LeaseStore, RunRecord
 
 logger = logging.getLogger(__name__)
 
@@ -220,3 +220,15 @@ def record_outcome(app: Celery, record: RunRecord | None) -> bool:
     if record is None:
         return False
     return Outcome(app, record).record_in_celery()
+
+
+def record_ended(app: Celery, store: LeaseStore, run_ids: list[str]) -> None:
+    """Record the outcome of runs the sweeper or a hand-back ended (FAILURE with
+    ``RunFailed``, or REVOKED), so their callers resolve and ``link_error`` runs once."""
+    for run_id in run_ids:
+        try:
+            record_outcome(app, store.get(run_id))
+        except LeaseError as exc:
+            logger.warning(
+                "celery-lease: run %s: outcome not recorded: %s", run_id, describe_exception(exc)
+            )
