@@ -157,3 +157,19 @@ def test_dropped_duplicate_logs_no_warning_without_a_result_backend(cluster: Clu
     time.sleep(0.5)
     warnings = [line for line in w1.log().splitlines() if "WARNING" in line]
     assert not [line for line in warnings if "celery_lease" in line or "run " in line], warnings
+
+
+@PG_REDIS
+@pytest.mark.timeout(150)
+def test_sweeper_ended_cancel_records_revoked(cluster: Cluster) -> None:
+    """A cancel requested of a running run whose worker then dies: the sweeper ends it
+    cancelled and the caller sees REVOKED (before: PENDING forever)."""
+    w1 = cluster.start("w1", conf=FAST, **SHORT)
+    res = sig(cluster, "sleepy", 30.0).apply_async()
+    wait_for(lambda: cluster.effects(res.id, "start"), 30, what="the body to start")
+    w1.kill9()
+    assert cluster.store.cancel(res.id) == "running"  # requested; nobody acts on it
+    cluster.start("w2", conf=FAST, **SHORT)
+    cluster.start_beat({"lease_sweep_interval": 0.5, **FAST})
+    wait_for(lambda: cluster.status(res.id) == "cancelled", 60, what="the sweep")
+    wait_for(lambda: res.state == "REVOKED", 30, what="REVOKED in the result backend")
