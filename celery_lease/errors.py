@@ -105,9 +105,14 @@ class RunFailed(LeaseError):
         self.run_id = run_id
         self.failure_code = failure_code
         self.last_error = last_error
-        super().__init__(
-            f"{self.code}: run {run_id} failed ({failure_code or 'unknown'}): "
-            f"{last_error or 'no error recorded'}"
+        # Its arguments are its args: Celery's result backends rebuild an exception
+        # as ``cls(*args)`` (json), so the caller gets a RunFailed back.
+        super().__init__(run_id, failure_code, last_error)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.code}: run {self.run_id} failed ({self.failure_code or 'unknown'}): "
+            f"{self.last_error or 'no error recorded'}"
         )
 
     def __reduce__(self) -> tuple[type[RunFailed], tuple[str, str | None, str | None]]:

@@ -13,6 +13,7 @@ from celery import Celery
 from .errors import LeaseError
 from .requeue import SweepReport, requeue_all
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
+from .run.outcome import record_ended
 from .runtime import app_config, app_runtime, lease_databases, runtime_for, store_for
 from .sanitize import describe_exception, safe_url
 from .schema import CANCELLED, FAILED
@@ -89,6 +90,7 @@ def sweep(
         else:
             stranded.append(record)
     requeue_all(app, stranded, report, "stranded", store)
+    record_ended(app, store, report.failed + report.cancelled)
     if purge_limit:
         report.purged.update(
             sweep_retention(store, config.retention, purge_limit, purge_budget, events).removed

@@ -26,6 +26,7 @@ from .config import LeaseConfig, celery_command, check_app_settings, check_task_
 from .errors import LeaseDatabaseError
 from .liveness import SweepWatch, watch_sweeps
 from .requeue import SweepReport, requeue_all
+from .run.outcome import record_ended
 from .run.runids import run_id_of
 from .run.task import LeasedTask
 from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
@@ -307,7 +308,9 @@ def _on_worker_shutting_down(app: Celery, how: str) -> None:
                 describe_exception(exc),
             )
             continue
-        requeue_all(app, released, SweepReport(), "handoff", runtime.store)
+        handed = SweepReport()
+        requeue_all(app, released, handed, "handoff", runtime.store)
+        record_ended(app, runtime.store, handed.failed + handed.cancelled)
 
 
 def _on_task_revoked(

@@ -457,3 +457,43 @@ def test_keep_delivery_leaves_each_refused_publish_to_the_sweeper(store: LeaseSt
     assert not keep(store, "done", "done")
     row = store.get("done")
     assert row is not None and row.status == "succeeded" and row.payload is None
+
+
+def test_completion_keeps_the_result_in_the_same_statement(store: LeaseStore) -> None:
+    """The completion writes the body's serialized result with the success, in one
+    statement; after fence(complete=True) the completion keeps it instead of reading."""
+    claim(store, "r1", "A")
+    with driver_statements(store.engines) as seen:
+        store.complete("r1", "A", 1, result=(b'{"n": 1}', "application/json"))
+    on_runs = [sql for _, sql in seen if runs.name in sql]
+    assert len(on_runs) == 1 and on_runs[0].lstrip().upper().startswith("UPDATE"), on_runs
+    row = store.get("r1")
+    assert row is not None and row.status == "succeeded"
+    assert (row.result, row.result_content_type) == (b'{"n": 1}', "application/json")
+    claim(store, "r2", "A")
+    with store.engine.begin() as conn:
+        store.fence(conn, "r2", "A", 1, complete=True)
+    store.complete("r2", "A", 1, result=(b"2", "application/json"))
+    kept = store.get("r2")
+    assert kept is not None and kept.result == b"2"
+
+
+def test_result_is_kept_only_when_bounded_and_accepted() -> None:
+    """encode_result: the app's result_serializer, at most MAX_RESULT_BYTES, a content
+    type in accept_content; decode_result refuses any other content type."""
+    from celery import Celery
+
+    from celery_lease.requeue import MessageNotAccepted
+    from celery_lease.run.outcome import decode_result, encode_result
+    from celery_lease.schema import MAX_RESULT_BYTES
+
+    app = Celery("t", set_as_current=False)
+    assert encode_result(app, {"a": [1, 2]}) == (b'{"a": [1, 2]}', "application/json")
+    assert encode_result(app, None) == (b"null", "application/json")
+    assert encode_result(app, "x" * MAX_RESULT_BYTES) is None
+    assert encode_result(app, object()) is None
+    app.conf.result_serializer = "pickle"
+    assert encode_result(app, 1) is None  # pickle is not in accept_content
+    with pytest.raises(MessageNotAccepted):
+        decode_result(app, b"\x80\x04K\x01.", "application/x-python-serialize")
+    assert decode_result(app, b"[1]", "application/json") == [1]

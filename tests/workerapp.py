@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -268,6 +269,39 @@ def audited(self: AuditedTask, seconds: float) -> str:
     with effects_engine().begin() as conn:
         self._complete(conn, "commit")
     return "audited"
+
+
+#: The worker's main process (a prefork pool child inherits it from the fork).
+_MAIN_PID = os.getpid()
+
+
+class CrashAfterCommit(LeasedTask):
+    """Test-only: with ``CL_KILL_AFTER_COMMIT`` (a folder), the process running the task
+    is killed -9 right after the run's guarded completion committed, before Celery
+    stores the result or sends the continuation; once per task id (a marker file).
+    With ``CL_KILL_WHOLE_WORKER=1`` the worker's main process is killed first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().__call__(*args, **kwargs)
+        folder, task_id = os.environ.get("CL_KILL_AFTER_COMMIT"), self.request.id
+        if folder and task_id and not self.request.called_directly:
+            try:
+                os.close(os.open(os.path.join(folder, task_id), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return result  # killed once already: this delivery replays
+            record(task_id, 0, "killed")
+            if os.environ.get("CL_KILL_WHOLE_WORKER") == "1" and os.getpid() != _MAIN_PID:
+                os.kill(_MAIN_PID, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+
+@app.task(base=CrashAfterCommit, bind=True, name="workerapp.crash_step")
+def crash_step(self: LeasedTask, x: int) -> int:
+    """A canvas step whose worker dies after its completion committed (see CrashAfterCommit):
+    records one start, returns x + 1 (kept in the row by the completion)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return x + 1
 
 
 # -- Celery features (tests/test_canvas.py) -----------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from ..config import LeaseConfig
+from ..run.outcome import record_outcome
 from ..sanitize import describe_exception
 from ..schema import (
     CANCELLED,
@@ -146,6 +147,8 @@ def cancel(ctx: click.Context, run_id: str) -> None:
     store = _open_store(ctx)
     status = store.cancel(run_id)
     if status == CANCELLED:
+        # The caller holding its task id sees REVOKED (a chord counts it, as Celery's revoke).
+        record_outcome(ctx.obj.app, store.get(run_id))
         click.echo(f"run {run_id} is cancelled")
     elif status == RUNNING:
         click.echo(

@@ -284,8 +284,11 @@ class Lease:
         """
         return self.store.transaction()
 
-    def complete(self) -> None:
+    def complete(self, result: tuple[bytes, str] | None = None) -> None:
         """Record success with the guarded completion (idempotent after ``fence(complete=True)``).
+
+        ``result``: the body's return value serialized, ``(bytes, content type)``,
+        written by the same statement.
 
         Raises:
             LeaseLost: another owner holds the run, or it ended otherwise.
@@ -302,7 +305,7 @@ class Lease:
         self._publish(transition)
         try:
             with self.uninterruptible():
-                self.store.complete(self.run_id, self.owner, self.attempt)
+                self.store.complete(self.run_id, self.owner, self.attempt, result=result)
         except LeaseLost as exc:
             self.mark_lost(exc.reason)
             raise

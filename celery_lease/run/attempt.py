@@ -34,7 +34,7 @@ from ..runtime import Runtime, app_runtime, runtime_for, shutting_down, worker_i
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, FAILED, SUCCEEDED
 from ..store import ClaimResult
-from . import duplicates, republish, runids
+from . import duplicates, outcome, republish, runids
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class Attempt:
             self._on_cancelled(lease)
         except Exception as exc:
             self._on_failure(lease, exc)
-        self._complete(lease)
+        self._complete(lease, outcome.encode_result(self.task.app, result))
         return result
 
     # -- outcome ----------------------------------------------------------------------
@@ -270,10 +270,11 @@ class Attempt:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _complete(self, lease: Lease) -> None:
-        """The guarded completion; database errors are retried while the lease may hold."""
+    def _complete(self, lease: Lease, result: tuple[bytes, str] | None = None) -> None:
+        """The guarded completion, keeping ``result`` (the body's, serialized) in the row;
+        database errors are retried while the lease may hold."""
         try:
-            self._write(lease.complete)
+            self._write(lambda: lease.complete(result))
         except LeaseLost as exc:
             self._on_lost(lease, exc)
         except LeaseDatabaseError as exc:

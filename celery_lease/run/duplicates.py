@@ -9,27 +9,35 @@ from celery import states
 from celery.exceptions import Ignore
 
 from ..errors import LeaseDatabaseError, RunFailed
-from ..runtime import Runtime
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, SUCCEEDED
 from ..store import ClaimResult
+from .outcome import Outcome
 from .republish import busy_delay, reschedule
 from .runids import Delivery
 
 logger = logging.getLogger(__name__)
 
 #: How many times a duplicate of a finished run waits for that run's result to be
-#: stored by Celery before it gives up and reports ``None``.
+#: stored by Celery (or a redelivery waits before replaying it) before it gives up.
 RESULT_WAIT_TRIES = 8
+
+#: A redelivery of the run's own succeeded delivery within this many seconds of
+#: the run's end waits before replaying it: the worker that ran it may still be
+#: storing the result (Celery stores it just after the lease commit).
+REPLAY_GRACE_SECONDS = 2.0
 
 
 def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     """A delivery of a run that already ended: the body does not run again.
 
-    Under the run's own task id nothing is written (Celery already has the
-    outcome), except a ``FAILURE`` a dangling ``RETRY`` still hides. Under
-    another task id (a keyed duplicate, a group or chain member) the caller
-    gets the run's outcome as this task's own: its result, its failure, or
+    Under the run's own task id (a redelivery) nothing is written when Celery
+    already has a ready state for it; otherwise (the worker died between the
+    lease commit and Celery's result store) the outcome is replayed from the
+    row: the stored result is returned, so Celery stores ``SUCCESS`` and fires
+    the continuation once. Under another task id (a keyed duplicate, a group or
+    chain member) the caller gets the run's outcome as this task's own: its
+    result (from Celery, else from the row, else it waits), its failure, or
     ``REVOKED``, and its continuation proceeds with it.
     """
     own_id = delivery.request.id
@@ -49,11 +57,66 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
         raise Ignore()
     if claim.status == SUCCEEDED:
         if same:
-            raise Ignore()
+            return _replay_own(delivery, claim)
         return _result_of(delivery, claim)
     if same and _celery_state(delivery, own_id) == states.FAILURE:
         raise Ignore()
     raise _failure_of(delivery, claim)
+
+
+def _replay_own(delivery: Delivery, claim: ClaimResult) -> Any:
+    """A redelivery of the run's own succeeded delivery: replay the result unless Celery has it."""
+    own_id = delivery.request.id
+    if not own_id or _celery_state(delivery, own_id) in states.READY_STATES:
+        raise Ignore()
+    found = _row_outcome(delivery, claim.run_id)
+    if found is None or not found.has_result():
+        logger.info(
+            "celery-lease: run %s succeeded; no result kept to replay for task %s: dropped",
+            claim.run_id,
+            own_id,
+        )
+        raise Ignore()
+    if delivery.request.retries < RESULT_WAIT_TRIES and _ended_within(
+        delivery, found, REPLAY_GRACE_SECONDS
+    ):
+        # The run has just ended: the worker that ran it may be storing the
+        # result right now (a redelivery racing it). Look again shortly.
+        reschedule(delivery, REPLAY_GRACE_SECONDS / 2, Ignore())
+    try:
+        result = found.result()
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: run %s: stored result not replayed: %s",
+            claim.run_id,
+            describe_exception(exc),
+        )
+        raise Ignore() from None
+    logger.info(
+        "celery-lease: run %s succeeded before Celery stored it: result replayed for task %s",
+        claim.run_id,
+        own_id,
+    )
+    return result
+
+
+def _ended_within(delivery: Delivery, found: Outcome, seconds: float) -> bool:
+    """True when the run ended less than ``seconds`` ago (database clock)."""
+    ended = found.record.finished_at or found.record.updated_at
+    if ended is None:
+        return False
+    try:
+        return bool(delivery.runtime.store.now_ms() - ended < seconds * 1000)
+    except LeaseDatabaseError:
+        return True
+
+
+def _row_outcome(delivery: Delivery, run_id: str) -> Outcome | None:
+    try:
+        row = delivery.runtime.store.get(run_id)
+    except LeaseDatabaseError:
+        return None
+    return None if row is None else Outcome(delivery.task.app, row)
 
 
 def mark_revoked(delivery: Delivery) -> None:
@@ -71,37 +134,39 @@ def mark_revoked(delivery: Delivery) -> None:
 
 
 def _result_of(delivery: Delivery, claim: ClaimResult) -> Any:
-    """The stored result of the run's own task id; waits (re-published) until Celery has it."""
+    """The run's result for a duplicate: Celery's stored one, else the row's; else it waits.
+
+    It never reports a result it does not have: while neither holds it (a
+    ``replace()`` still running, Celery's ``result_expires`` shorter than
+    ``lease_retention`` and no result kept), the delivery is published again
+    like a busy duplicate, at most ``RESULT_WAIT_TRIES`` times, then fails
+    with :class:`RunFailed` (``result_unavailable``).
+    """
     meta = _celery_meta(delivery, claim.task_id)
     if meta is not None and meta.get("status") == states.SUCCESS:
         return meta.get("result")
+    found = _row_outcome(delivery, claim.run_id)
+    if found is not None and found.has_result():
+        try:
+            return found.result()
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: run %s: stored result not used: %s",
+                claim.run_id,
+                describe_exception(exc),
+            )
     config, retries = delivery.config, delivery.request.retries
-    if (
-        meta is not None
-        and retries < RESULT_WAIT_TRIES
-        and _finished_recently(delivery.runtime, claim.run_id, config.lease_seconds)
-    ):
-        # Succeeded in the lease table, not yet stored by Celery (or fenced
-        # inside a body that is still running): ask again shortly.
+    if retries < RESULT_WAIT_TRIES:
+        # Succeeded in the lease table, not (yet) stored anywhere we can read:
+        # ask again shortly (a replacement still running, a replay to come).
         reschedule(delivery, busy_delay(config, 0.2, retries), Ignore())
     logger.warning(
-        "celery-lease: run %s succeeded but its result (task %s) is not in the result "
-        "backend: reporting None",
+        "celery-lease: run %s succeeded but its result (task %s) is neither in the result "
+        "backend nor kept in the row: reporting RunFailed(result_unavailable)",
         claim.run_id,
         claim.task_id,
     )
-    return None
-
-
-def _finished_recently(runtime: Runtime, run_id: str, window: float) -> bool:
-    """True when the run ended less than ``window`` s ago (its result may still come)."""
-    try:
-        row = runtime.store.get(run_id)
-        now = runtime.store.now_ms()
-    except LeaseDatabaseError:
-        return True
-    finished = None if row is None else (row.finished_at or row.updated_at)
-    return finished is not None and now - finished < window * 1000
+    raise RunFailed(claim.run_id, "result_unavailable", "the run's result is not available")
 
 
 def _failure_of(delivery: Delivery, claim: ClaimResult) -> BaseException:

@@ -610,20 +610,49 @@ class LeaseStore:
             raise self._lost(run_id, owner, attempt, f"{action} refused")
 
     @_db_errors
-    def complete(self, run_id: str, owner: str, attempt: int) -> None:
+    def complete(
+        self,
+        run_id: str,
+        owner: str,
+        attempt: int,
+        *,
+        result: tuple[bytes, str] | None = None,
+    ) -> None:
         """Record success; only the current owner of a running run can. Else :class:`LeaseLost`.
+
+        ``result`` is the body's return value serialized, ``(bytes, content type)``,
+        kept in the row by the same statement (for a replay of the outcome to
+        Celery's result backend); the caller bounds its size.
 
         Idempotent for its owner: if this owner and attempt already completed
         the run (``fence(complete=True)``, or a retry after a lost reply), it
         returns quietly.
         """
-        params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
+        params: dict[str, Any] = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt}
+        if result is not None:
+            params["p_result"], params["p_result_ct"] = result
         if self._complete_driver is not None:
             if self._complete_driver.execute(params)[0] == 1:
                 return
         else:
             with self._auto.connect() as conn:
                 if conn.execute(self._complete_stmt, params).rowcount == 1:
+                    return
+        if result is not None:
+            # Completed already by this owner's fence(complete=True): keep the
+            # result now (this statement stands in for the read below).
+            kept = (
+                update(runs)
+                .where(
+                    runs.c.id == run_id,
+                    runs.c.lease_owner == owner,
+                    runs.c.attempt == attempt,
+                    runs.c.status == SUCCEEDED,
+                )
+                .values(result=result[0], result_content_type=result[1])
+            )
+            with self._auto.connect() as conn:
+                if conn.execute(kept).rowcount == 1:
                     return
         row = self.get(run_id)
         if row and row.status == SUCCEEDED and row.lease_owner == owner and row.attempt == attempt:

@@ -180,11 +180,18 @@ def claim_params(values: dict[str, Any], lease_ms: int, max_attempts: int) -> di
 
 def complete_by_binds() -> Any:
     """``UPDATE .. SET succeeded WHERE guarded`` with bind parameters ``p_id``, ``p_owner``,
-    ``p_attempt``: the completion, compiled once per store."""
+    ``p_attempt``, and ``p_result``/``p_result_ct`` (the body's serialized return value, or
+    NULL): the completion, compiled once per store."""
     return (
         update(runs)
         .where(guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt")))
-        .values(**success_values(db_now_ms()))
+        .values(
+            **success_values(db_now_ms()),
+            result=bindparam("p_result", None, type_=runs.c.result.type),
+            result_content_type=bindparam(
+                "p_result_ct", None, type_=runs.c.result_content_type.type
+            ),
+        )
     )
 
 
