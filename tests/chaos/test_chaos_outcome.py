@@ -3,7 +3,9 @@
 - kill -9 between the lease commit and Celery's result store, 100 times, over
   chords and chains: every AsyncResult resolves, every chord body runs once;
 - the sweeper ending runs with ``lease_max_attempts=1``: every caller gets
-  FAILURE (``RunFailed``) and ``link_error`` runs once.
+  FAILURE (``RunFailed``) and ``link_error`` runs once;
+- kill -9, three times, of workers running a task with its own lease database
+  (SQLite + filesystem): every run is recovered by the sweep of that database.
 """
 
 from __future__ import annotations
@@ -133,3 +135,48 @@ def test_sweeper_ends_runs_with_one_attempt_every_caller_gets_failure(
         print(f"\nsweeper ended 20 runs: FAILURE in {time.monotonic() - started:.0f}s")
     assert set(codes) == {"lease_expired"}
     assert set(errbacks.values()) == {1}, errbacks
+
+
+SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+
+
+@SQLITE_FS
+@pytest.mark.timeout(240)
+def test_kill9_repeatedly_on_a_task_with_its_own_database_recovered(cluster: Cluster) -> None:
+    """Runs of a task with its own lease_database_url, on a broker that never redelivers:
+    the worker running them is killed -9 three times in a row; beat's sweep, which
+    sweeps that database too, brings every run to succeeded with one commit each."""
+    from celery_lease import LeaseStore
+
+    task_db = f"sqlite:///{cluster.tmp_path / 'task-leases.sqlite3'}"
+    cluster.env["CL_TASK_DB"] = task_db
+    task_store = LeaseStore.from_url(task_db)
+    task_store.create_schema()
+    # acks_late: a process holds no message beyond the one it runs.
+    timing = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5", "CL_ACKS_LATE": "1"}
+    try:
+        run_ids = [cluster.send("workerapp.own_db", 2.0) for _ in range(6)]
+        for round_ in range(3):
+            # One process, prefetching one message: the killed worker holds only the
+            # run it started, whose row the sweep finds (the broker never redelivers).
+            worker = cluster.start(f"k{round_}", concurrency=1, **timing)
+            wait_for(
+                lambda started=round_ + 1: len(cluster.effects_of_kind("start")) >= started,
+                60,
+                what="a body to start",
+            )
+            worker.kill9()
+        cluster.start("survivor", **timing)
+        cluster.start_beat({"lease_sweep_interval": 1.0})
+
+        def done() -> bool:
+            rows = [task_store.get(run_id) for run_id in run_ids]
+            return all(row is not None and row.status == "succeeded" for row in rows)
+
+        wait_for(done, 150, what="every run recovered on the task's own database")
+        time.sleep(1.0)
+        for run_id in run_ids:
+            assert len(cluster.effects(run_id, "commit")) == 1, run_id
+            assert cluster.store.get(run_id) is None  # never in the app's database
+    finally:
+        task_store.dispose()
