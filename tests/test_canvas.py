@@ -15,6 +15,7 @@ import pytest
 from celery import chain, chord, group
 from celery.result import AsyncResult
 
+from celery_lease.run.outcome import encode_result
 from celery_lease.sweeper import sweep
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import wait_for
@@ -192,12 +193,14 @@ def test_keyed_run_finished_without_a_task_id_does_not_hang_later_calls(cluster:
     claim = cluster.store.claim(
         run_id, "direct:1:x", task_name="workerapp.keyed", lease_ms=5000, max_attempts=5
     )
-    cluster.store.complete(run_id, claim.owner, claim.attempt)
+    # As a direct call completes it: the body's result kept in the row.
+    kept = encode_result(cluster.producer, 9)
+    cluster.store.complete(run_id, claim.owner, claim.attempt, result=kept)
     row = cluster.store.get(run_id)
     assert row is not None and row.task_id is None and row.status == "succeeded"
     cluster.start("w1", conf=FAST)
     task_id = cluster.send("keyed", 9)
-    result(cluster, task_id).get(timeout=30)
+    assert result(cluster, task_id).get(timeout=30) == 9
     assert result(cluster, task_id).state == "SUCCESS"
     assert cluster.effects(run_id, "start") == []  # the body did not run again
 
