@@ -13,6 +13,7 @@ import difflib
 import math
 import os
 import shlex
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -419,8 +420,23 @@ def celery_command(app: Celery) -> str:
     context = click.get_current_context(silent=True)
     named = context.find_root().params.get("app") if context is not None else None
     if not isinstance(named, str) or not named:
+        # Celery before 5.5 keeps the loaded app there, not the name it was given.
+        named = _app_argument(sys.argv) or os.environ.get("CELERY_APP") or None
+    if not named:
         named = app.main if app.main and app.main != "__main__" else None
     return f"celery -A {'<app>' if named is None else shlex.quote(named)}"
+
+
+def _app_argument(argv: list[str]) -> str | None:
+    """The value of ``-A``/``--app`` in a ``celery`` command line, if any."""
+    for i, arg in enumerate(argv):
+        if arg in ("-A", "--app") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--app="):
+            return arg.partition("=")[2]
+        if arg.startswith("-A") and len(arg) > 2:
+            return arg[2:]
+    return None
 
 
 def network_broker_schemes(app: Celery) -> list[str]:
