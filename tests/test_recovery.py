@@ -189,8 +189,10 @@ def test_worker_without_a_sweeper_on_a_broker_that_never_redelivers_warns_once(
     assert "`celery -A tests.workerapp beat`" in log and "worker -B" in log
     cluster.start_beat(often)
     wait_for(lambda: cluster.store.last_sweep() is not None, 30, what="beat's first sweep")
-    w2 = cluster.start("w2", conf=often)
-    time.sleep(2.5)  # past 2 x the interval: sweeps are seen
+    # w2 watches with a 2 s interval (a 4 s window) while beat sweeps every 0.5 s: a
+    # loaded machine that delays one sweep by a second cannot make w2 warn.
+    w2 = cluster.start("w2", conf={"lease_sweep_interval": 2.0})
+    time.sleep(5.0)  # past w2's 4 s window: two ticks of its watch, each seeing sweeps
     assert warning not in w2.log()
 
 
