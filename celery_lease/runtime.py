@@ -21,6 +21,7 @@ from typing import Protocol
 
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
+from kombu.serialization import prepare_accept_content
 
 from .config import LeaseConfig
 from .events import EventBus
@@ -50,6 +51,8 @@ class AppRuntime:
         self.config: LeaseConfig | None = None
         #: Each task's settings (the app's with its options applied), by task name.
         self.task_configs: dict[str, tuple[object, LeaseConfig]] = {}
+        #: The app's ``result_serializer`` and ``accept_content`` (prepared), once read.
+        self.result_format: tuple[str, frozenset[str]] | None = None
         #: A store and a heartbeat per lease database URL.
         self.databases: dict[str, Runtime] = {}
         #: The ``celery worker`` this process belongs to (set by its bootstep).
@@ -92,6 +95,7 @@ class AppRuntime:
         """Read the app's and tasks' settings again on next use."""
         self.config = None
         self.task_configs.clear()
+        self.result_format = None
 
     def reset(self) -> None:
         """Stop the heartbeats, close the stores, forget the settings, drop the listeners.
@@ -128,6 +132,16 @@ def app_config(app: Celery) -> LeaseConfig:
     if runtime.config is None:
         runtime.config = LeaseConfig.from_app(app)
     return runtime.config
+
+
+def result_format(app: Celery) -> tuple[str, frozenset[str]]:
+    """The app's result serializer and accepted content types, read once and kept
+    (two ``app.conf`` lookups cost more than the rest of encoding a small result)."""
+    runtime = app_runtime(app)
+    if runtime.result_format is None:
+        accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+        runtime.result_format = (app.conf.result_serializer or "json", frozenset(accept))
+    return runtime.result_format
 
 
 @dataclasses.dataclass(frozen=True)

@@ -492,8 +492,9 @@ def test_result_is_kept_only_when_bounded_and_accepted() -> None:
     assert encode_result(app, None) == (b"null", "application/json")
     assert encode_result(app, "x" * MAX_RESULT_BYTES) is None
     assert encode_result(app, object()) is None
-    app.conf.result_serializer = "pickle"
-    assert encode_result(app, 1) is None  # pickle is not in accept_content
+    pickling = Celery("p", set_as_current=False)  # the format is read once per app
+    pickling.conf.result_serializer = "pickle"
+    assert encode_result(pickling, 1) is None  # pickle is not in accept_content
     with pytest.raises(MessageNotAccepted):
         decode_result(app, b"\x80\x04K\x01.", "application/x-python-serialize")
     assert decode_result(app, b"[1]", "application/json") == [1]

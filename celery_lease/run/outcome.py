@@ -25,20 +25,16 @@ from typing import Any
 
 from celery import Celery, signature, states
 from celery.app.task import Context
-from kombu.serialization import dumps, loads, prepare_accept_content
+from kombu.serialization import dumps, loads
 
 from ..errors import LeaseError, RunFailed
 from ..requeue import MessageNotAccepted, decode_message
+from ..runtime import result_format
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, FAILED, MAX_RESULT_BYTES, SUCCEEDED
 from ..store import LeaseStore, RunRecord
 
 logger = logging.getLogger(__name__)
-
-
-def _accepted(app: Celery) -> set[str]:
-    accept: set[str] = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
-    return accept
 
 
 def encode_result(app: Celery, value: Any) -> tuple[bytes, str] | None:
@@ -47,15 +43,14 @@ def encode_result(app: Celery, value: Any) -> tuple[bytes, str] | None:
     Not kept: it does not serialize with the app's ``result_serializer``, it is
     over ``MAX_RESULT_BYTES``, or its content type is not in ``accept_content``.
     """
+    serializer, accept = result_format(app)
     try:
-        content_type, _encoding, data = dumps(  # type: ignore[no-untyped-call]
-            value, serializer=app.conf.result_serializer or "json"
-        )
+        content_type, _encoding, data = dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
     except Exception:
         return None
     if isinstance(data, str):
         data = data.encode("utf-8")
-    if len(data) > MAX_RESULT_BYTES or content_type not in _accepted(app):
+    if len(data) > MAX_RESULT_BYTES or content_type not in accept:
         return None
     return bytes(data), str(content_type)
 
@@ -66,7 +61,7 @@ def decode_result(app: Celery, data: bytes, content_type: str) -> Any:
     Raises:
         MessageNotAccepted: the content type is not accepted; nothing was decoded.
     """
-    accept = _accepted(app)
+    accept = result_format(app)[1]
     if content_type not in accept:
         raise MessageNotAccepted(
             f"payload_not_accepted: stored result is {content_type!r}, "
