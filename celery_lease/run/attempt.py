@@ -193,6 +193,7 @@ class Attempt:
             interrupt=config.interrupt and not app_runtime(task.app).green_pool,
             max_attempts=claim.max_attempts,
             events=runtime.events,
+            checkpoint=claim.checkpoint,
         )
         return self._run_body(self.lease)
 

@@ -7,22 +7,36 @@ database clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Integer, String, Table, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import (
+    Integer,
+    String,
+    Table,
+    and_,
+    bindparam,
+    case,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 
 from ..schema import (
+    MAX_PROGRESS_NOTE,
     QUEUED,
     RETRYING,
     RUNNING,
     SUCCEEDED,
     TERMINAL_STATUSES,
     PayloadType,
+    ProgressType,
     db_now_ms,
     runs,
 )
-from .records import _CLEARED_MESSAGE
+from .records import _CLEARED_ON_SUCCESS, LeaseKey, Progress
 
 #: Builds a dialect's ``INSERT`` construct for a table (see ``Database.insert``).
 InsertBuilder = Callable[[Table], Any]
@@ -44,7 +58,8 @@ def ended_values(now: Any, status: str, failure_code: str, error: str | None) ->
 
 
 def success_values(now: Any) -> dict[str, Any]:
-    """The values that end a run ``succeeded`` at ``now``, its stored message cleared."""
+    """The values that end a run ``succeeded`` at ``now``, its stored message and
+    checkpoint cleared."""
     return {
         "status": SUCCEEDED,
         "lease_expires_at": now,
@@ -52,7 +67,40 @@ def success_values(now: Any) -> dict[str, Any]:
         "updated_at": now,
         "last_error": None,
         "failure_code": None,
-        **_CLEARED_MESSAGE,
+        **_CLEARED_ON_SUCCESS,
+    }
+
+
+def checkpoint_values(now: Any, state: str) -> dict[str, Any]:
+    """The values that save ``state`` (JSON text) as the run's checkpoint at ``now``."""
+    return {"checkpoint": state, "checkpoint_at": now, "updated_at": now}
+
+
+def progress_values(now: Any, progress: Mapping[LeaseKey, Progress]) -> dict[str, Any]:
+    """The heartbeat renewal's extra values writing each lease's reported ``progress``.
+
+    One ``CASE`` per column, on the owner (unique per claim); rows without new
+    progress keep theirs. Empty when no lease reported any.
+    """
+    if not progress:
+        return {}
+    owners = [(key[1], value) for key, value in progress.items()]
+    note_type = String(MAX_PROGRESS_NOTE)
+
+    def per_owner(pick: Callable[[Progress], Any], type_: Any, column: Any) -> Any:
+        return case(
+            *[(runs.c.lease_owner == owner, literal(pick(p), type_)) for owner, p in owners],
+            else_=column,
+        )
+
+    return {
+        "progress_done": per_owner(lambda p: p.done, ProgressType, runs.c.progress_done),
+        "progress_total": per_owner(lambda p: p.total, ProgressType, runs.c.progress_total),
+        "progress_note": per_owner(lambda p: p.note, note_type, runs.c.progress_note),
+        "progress_at": case(
+            (runs.c.lease_owner.in_([owner for owner, _ in owners]), now),
+            else_=runs.c.progress_at,
+        ),
     }
 
 
@@ -133,8 +181,9 @@ def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
 def claim_upsert(insert: InsertBuilder) -> Any:
     """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` with bind parameters.
 
-    Returns the new attempt, expiry and attempt ceiling; no row when the run
-    was not claimable. Its parameters come from :func:`claim_params`.
+    Returns the new attempt, expiry, attempt ceiling and the run's checkpoint
+    (kept by a takeover, NULL on an insert); no row when the run was not claimable.
+    Its parameters come from :func:`claim_params`.
     """
     lease_ms = bindparam("p_lease_ms", type_=Integer)
     max_attempts = bindparam("p_max_attempts", type_=Integer)
@@ -159,7 +208,7 @@ def claim_upsert(insert: InsertBuilder) -> Any:
             set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
             where=claimable(max_attempts),
         )
-        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts)
+        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts, runs.c.checkpoint)
     )
 
 
