@@ -133,11 +133,25 @@ class Heartbeat:
         )
         for lease in leases:
             if lease.key in result.renewed:
+                written = progress.get(lease.key)
                 lease.renewed(
                     sent_at,
                     cancel_requested=lease.key in result.cancel_requested,
-                    progress=progress.get(lease.key),
+                    progress=written,
                 )
+                if written is not None:
+                    self.events.emit(
+                        "progress",
+                        lease.run_id,
+                        "run %s: progress %g/%s written",
+                        lease.run_id,
+                        written.done,
+                        "-" if written.total is None else f"{written.total:g}",
+                        level=logging.DEBUG,
+                        task=lease.task_name,
+                        done=written.done,
+                        total=written.total,
+                    )
             else:
                 lease.refused("heartbeat refused: lease taken over, expired or ended")
         return result

@@ -155,8 +155,10 @@ class Lease:
         max_attempts: int = 0,
         events: EventLog = LOG_ONLY,
         checkpoint: str | None = None,
+        task_name: str = "",
     ) -> None:
         self.store = store
+        self.task_name = task_name
         self.events = events
         self.run_id = run_id
         self.owner = owner
@@ -267,6 +269,19 @@ class Lease:
                 self.mark_lost(exc.reason)
                 raise
         self._checkpoint = text
+        self._checkpoint_saved(text, fenced=False)
+
+    def _checkpoint_saved(self, text: str, *, fenced: bool) -> None:
+        self.events.emit(
+            "checkpoint",
+            self.run_id,
+            "run %s: checkpoint saved (%d characters)",
+            self.run_id,
+            len(text),
+            level=logging.DEBUG,
+            task=self.task_name,
+            fenced=fenced,
+        )
 
     def progress(self, done: float, total: float | None = None, note: str | None = None) -> None:
         """Report progress: kept in memory, written by the next heartbeat renewal.
@@ -677,6 +692,7 @@ class Lease:
             if not ended:
                 ended = True
                 self._checkpoint = text
+                self._checkpoint_saved(text, fenced=True)
 
         def on_rollback(conn: Connection) -> None:
             nonlocal ended

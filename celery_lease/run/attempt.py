@@ -194,6 +194,7 @@ class Attempt:
             max_attempts=claim.max_attempts,
             events=runtime.events,
             checkpoint=claim.checkpoint,
+            task_name=task.name,
         )
         return self._run_body(self.lease)
 
