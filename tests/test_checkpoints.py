@@ -415,8 +415,9 @@ def app(lease_db_url: str) -> Iterator[Celery]:
         broker_url="memory://",
         result_backend="cache+memory://",
         lease_database_url=lease_db_url,
-        lease_seconds=1.5,
-        lease_heartbeat_interval=0.15,
+        # A lease long enough that a loaded machine never loses it mid-task.
+        lease_seconds=6,
+        lease_heartbeat_interval=0.2,
         broker_connection_retry_on_startup=True,
     )
     store_for(app).create_schema()

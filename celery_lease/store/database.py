@@ -298,11 +298,18 @@ class Database:
             conn.execute(self.insert(runs).values(waiting))
 
     def renew(
-        self, engine: Engine, auto: Engine, renew: Any, guard: Any, columns: Sequence[Any]
+        self,
+        engine: Engine,
+        auto: Engine,
+        renew: Any,
+        guard: Any,
+        columns: Sequence[Any],
+        params: dict[str, Any] | None = None,
     ) -> Sequence[Any]:
-        """Run the heartbeat's ``renew`` and return ``columns`` of the rows it renewed."""
+        """Run the heartbeat's ``renew`` (with bind ``params``) and return ``columns`` of the
+        rows it renewed."""
         with engine.begin() as conn:
-            conn.execute(renew)
+            conn.execute(renew, params or {})
             return conn.execute(select(*columns).where(guard)).all()
 
     def keep(

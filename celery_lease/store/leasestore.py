@@ -65,6 +65,7 @@ from .records import (
     RunRecord,
 )
 from .sql import (
+    checkpoint_by_binds,
     checkpoint_values,
     complete_by_binds,
     ended_values,
@@ -144,6 +145,10 @@ class LeaseStore:
         self._complete_stmt = complete_by_binds()
         self._complete_driver = (
             DriverStatement(self._auto, self._complete_stmt, returns_row=False) if raw else None
+        )
+        self._checkpoint_stmt = checkpoint_by_binds()
+        self._checkpoint_driver = (
+            DriverStatement(self._auto, self._checkpoint_stmt, returns_row=False) if raw else None
         )
 
     @classmethod
@@ -553,6 +558,7 @@ class LeaseStore:
         if not keys:
             return HeartbeatResult(frozenset(), frozenset(), frozenset())
         now = db_now_ms()
+        reported, params = progress_values(progress or {})
         guard = and_(
             # The ids alone as well: InnoDB then reads the rows by primary key and
             # waits for no other run's lock (a fence holds its run's row lock).
@@ -568,11 +574,11 @@ class LeaseStore:
                 lease_expires_at=now + runs.c.lease_ms,
                 heartbeat_at=now,
                 updated_at=now,
-                **progress_values(now, progress or {}),
+                **reported,
             )
         )
         columns = (runs.c.id, runs.c.lease_owner, runs.c.attempt, runs.c.cancel_requested_at)
-        rows = self.database.renew(self.engine, self._auto, renew, guard, columns)
+        rows = self.database.renew(self.engine, self._auto, renew, guard, columns, params)
         renewed = frozenset((r[0], r[1], int(r[2])) for r in rows)
         cancel = frozenset((r[0], r[1], int(r[2])) for r in rows if r[3] is not None)
         lost = frozenset(keys) - renewed
@@ -638,14 +644,12 @@ class LeaseStore:
         (DB clock) can; else :class:`LeaseLost`, and the row keeps the checkpoint
         it had. Durable when it returns (the statement commits by itself).
         """
-        now = db_now_ms()
-        stmt = (
-            update(runs)
-            .where(guarded(run_id, owner, attempt), runs.c.lease_expires_at > now)
-            .values(checkpoint_values(now, state))
-        )
-        with self._auto.connect() as conn:
-            changed = conn.execute(stmt).rowcount
+        params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt, "p_checkpoint": state}
+        if self._checkpoint_driver is not None:
+            changed = self._checkpoint_driver.execute(params)[0]
+        else:
+            with self._auto.connect() as conn:
+                changed = conn.execute(self._checkpoint_stmt, params).rowcount
         if changed != 1:
             raise self._lost(run_id, owner, attempt, "checkpoint refused")
 

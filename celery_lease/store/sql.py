@@ -7,6 +7,7 @@ database clock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,6 @@ from sqlalchemy import (
     bindparam,
     case,
     func,
-    literal,
     or_,
     select,
     update,
@@ -71,36 +71,48 @@ def success_values(now: Any) -> dict[str, Any]:
     }
 
 
-def checkpoint_values(now: Any, state: str) -> dict[str, Any]:
+def checkpoint_values(now: Any, state: Any) -> dict[str, Any]:
     """The values that save ``state`` (JSON text) as the run's checkpoint at ``now``."""
     return {"checkpoint": state, "checkpoint_at": now, "updated_at": now}
 
 
-def progress_values(now: Any, progress: Mapping[LeaseKey, Progress]) -> dict[str, Any]:
-    """The heartbeat renewal's extra values writing each lease's reported ``progress``.
+def progress_values(
+    progress: Mapping[LeaseKey, Progress],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The heartbeat renewal's extra values writing each lease's reported ``progress``,
+    and their bind parameters.
 
     One ``CASE`` per column, on the owner (unique per claim); rows without new
-    progress keep theirs. Empty when no lease reported any.
+    progress keep theirs. The construct depends only on how many leases
+    reported, so it is built once per count and its compiled form is cached.
+    Empty when no lease reported any.
     """
     if not progress:
-        return {}
-    owners = [(key[1], value) for key, value in progress.items()]
-    note_type = String(MAX_PROGRESS_NOTE)
+        return {}, {}
+    params: dict[str, Any] = {"p_powners": [key[1] for key in progress]}
+    for i, (key, value) in enumerate(progress.items()):
+        params[f"p_po{i}"] = key[1]
+        params[f"p_pd{i}"] = value.done
+        params[f"p_pt{i}"] = value.total
+        params[f"p_pn{i}"] = value.note
+    return _progress_template(len(progress)), params
 
-    def per_owner(pick: Callable[[Progress], Any], type_: Any, column: Any) -> Any:
-        return case(
-            *[(runs.c.lease_owner == owner, literal(pick(p), type_)) for owner, p in owners],
-            else_=column,
-        )
 
+@functools.lru_cache(maxsize=128)
+def _progress_template(count: int) -> dict[str, Any]:
+    """The ``CASE`` values of :func:`progress_values` for ``count`` reporting leases."""
+    owners = [runs.c.lease_owner == bindparam(f"p_po{i}", type_=String) for i in range(count)]
+
+    def per_owner(name: str, type_: Any, column: Any) -> Any:
+        whens = [(owners[i], bindparam(f"p_p{name}{i}", type_=type_)) for i in range(count)]
+        return case(*whens, else_=column)
+
+    reported = runs.c.lease_owner.in_(bindparam("p_powners", expanding=True))
     return {
-        "progress_done": per_owner(lambda p: p.done, ProgressType, runs.c.progress_done),
-        "progress_total": per_owner(lambda p: p.total, ProgressType, runs.c.progress_total),
-        "progress_note": per_owner(lambda p: p.note, note_type, runs.c.progress_note),
-        "progress_at": case(
-            (runs.c.lease_owner.in_([owner for owner, _ in owners]), now),
-            else_=runs.c.progress_at,
-        ),
+        "progress_done": per_owner("d", ProgressType, runs.c.progress_done),
+        "progress_total": per_owner("t", ProgressType, runs.c.progress_total),
+        "progress_note": per_owner("n", String(MAX_PROGRESS_NOTE), runs.c.progress_note),
+        "progress_at": case((reported, db_now_ms()), else_=runs.c.progress_at),
     }
 
 
@@ -241,6 +253,21 @@ def complete_by_binds() -> Any:
                 "p_result_ct", None, type_=runs.c.result_content_type.type
             ),
         )
+    )
+
+
+def checkpoint_by_binds() -> Any:
+    """``UPDATE .. SET checkpoint WHERE guarded AND lease unexpired`` with bind parameters
+    ``p_id``, ``p_owner``, ``p_attempt`` and ``p_checkpoint`` (JSON text): compiled once
+    per store."""
+    now = db_now_ms()
+    return (
+        update(runs)
+        .where(
+            guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt")),
+            runs.c.lease_expires_at > now,
+        )
+        .values(checkpoint_values(now, bindparam("p_checkpoint", type_=runs.c.checkpoint.type)))
     )
 
 
