@@ -245,8 +245,9 @@ def format_count(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
-def progress_text(record: RunRecord) -> str:
-    """``done/total`` (or ``done``) and the note of a run's last reported progress, or ``-``."""
+def progress_text(record: RunRecord, *, note: bool = True) -> str:
+    """``done/total`` (or ``done``), the percentage and (with ``note``) the note of a run's
+    last reported progress, or ``-``."""
     if record.progress_done is None:
         return "-"
     text = format_count(record.progress_done)
@@ -254,7 +255,7 @@ def progress_text(record: RunRecord) -> str:
         text += f"/{format_count(record.progress_total)}"
         if record.progress_total > 0:
             text += f" ({100 * record.progress_done / record.progress_total:.0f}%)"
-    if record.progress_note:
+    if note and record.progress_note:
         text += f" {record.progress_note}"
     return text
 

@@ -57,7 +57,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
                 if r.cancel_requested_at is None
                 else common.format_relative(r.cancel_requested_at, now),
                 "-" if r.started_at is None else common.format_duration(now - r.started_at),
-                common.progress_text(r),
+                common.progress_text(r, note=False),
             )
         )
     if rows:
@@ -69,8 +69,8 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
             "LEFT",
             "HEARTBEAT",
             "CANCEL",
-            "RUNNING FOR",
-            "PROGRESS",
+            "RUNNING",
+            "DONE",
         )
         lines.append(common.render_table(headers, rows))
         if any(row[0] != r.id for row, r in zip(rows, leases, strict=True)):
