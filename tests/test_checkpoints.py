@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +14,7 @@ from celery.contrib.testing.worker import start_worker
 from sqlalchemy import text
 
 from celery_lease import LeasedTask, LeaseLost, LeaseStore
-from celery_lease.errors import LeaseInputError
+from celery_lease.errors import LeaseInputError, LeaseUsageError
 from celery_lease.lease.lease import Lease
 from celery_lease.runtime import store_for
 from celery_lease.schema import MAX_CHECKPOINT_BYTES, runs
@@ -207,6 +208,8 @@ def test_success_clears_the_checkpoint_failure_keeps_it(store: LeaseStore) -> No
     fenced.checkpoint(3)
     with fenced.transaction() as conn:
         fenced.fence(conn, checkpoint=4, complete=True)
+    with pytest.raises(LeaseUsageError):
+        fenced.checkpoint(5)  # after the recorded success: nothing to resume
     for run_id in ("ok", "fenced"):
         row = store.get(run_id)
         assert row is not None and row.status == "succeeded"
@@ -372,6 +375,26 @@ def test_checkpoint_survives_self_retry_and_bound_checked(cluster: Cluster) -> N
     wait_for(lambda: cluster.status(big) == cluster.status(fits) == "succeeded", 30)
     assert [e.kind for e in cluster.effects(big)] == ["too_big"]
     assert [e.kind for e in cluster.effects(fits)] == ["saved"]
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
+def test_cold_shutdown_hand_back_resumes_from_the_checkpoint(cluster: Cluster) -> None:
+    """A cold shutdown (SIGQUIT) hands the lease back at once; the worker taking the run
+    over resumes from its last checkpoint."""
+    w1 = cluster.start("w1", **LONG_LEASE)
+    run_id = cluster.send("workerapp.resumable", 100, 10, 0.03)
+    wait_for(lambda: kinds(cluster, run_id, "ckpt"), 30, what="attempt 1's first checkpoint")
+    cluster.start("w2", **LONG_LEASE)
+    w1.proc.send_signal(signal.SIGQUIT)  # the main process only: a cold shutdown
+    w1.proc.wait(30)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="w2 to finish the run")
+    resumes = kinds(cluster, run_id, "resume")
+    returned = max(int(n) for a, n in kinds(cluster, run_id, "ckpt") if a == 1)
+    assert resumes[0] == (1, "0:0") and resumes[1][0] == 2
+    assert int(resumes[1][1].split(":")[0]) in (returned, returned + 10)
+    done = items_done(cluster, run_id)
+    assert sorted(set(done)) == list(range(100)) and len(done) - 100 <= 10
 
 
 @pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)

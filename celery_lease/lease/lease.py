@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, event
 
-from ..errors import LeaseError, LeaseLost, RunCancelled
+from ..errors import LeaseError, LeaseLost, LeaseUsageError, RunCancelled
 from ..events import LOG_ONLY, EventLog, LeaseState, Transition
 from ..schema import check_progress, encode_checkpoint
 from ..store.records import Progress
@@ -258,9 +258,17 @@ class Lease:
             LeaseLost: the lease is no longer held (or its local deadline passed);
                 the row keeps the checkpoint it had.
             RunCancelled: cancellation was requested for this run.
+            LeaseUsageError: called after ``fence(complete=True)`` recorded success.
             LeaseDatabaseError: the database did not answer; the call may be repeated.
         """
         text = encode_checkpoint(state)
+        if self.completed_pending:
+            # The row is locked by that uncommitted transaction, or already succeeded.
+            raise LeaseUsageError(
+                f"checkpoint() on run {self.run_id} after fence(complete=True): the run is "
+                "recorded succeeded, so there is nothing to resume; pass checkpoint= to that "
+                "fence() instead"
+            )
         with self.uninterruptible():
             self.check()
             try:
