@@ -485,3 +485,27 @@ def test_progress_costs_no_statement_of_its_own(app: Celery) -> None:
     assert counts[1] == counts[300]
     assert row is not None and row.progress_total == 300 and row.progress_note == "rows"
     assert row.progress_done is not None and row.progress_done >= 200
+
+
+@pytest.mark.timeout(60)
+def test_top_and_show_print_progress(store: LeaseStore) -> None:
+    """`lease top` shows done/total and the percentage; `lease show --json` has the
+    progress columns and the checkpoint's size, never its content."""
+    from celery_lease.cli.common import record_data
+    from celery_lease.cli.top import render_top
+
+    lease = lease_for(store, claim(store, "r1", "A"))
+    lease.checkpoint({"secret-ish": "cursor"})
+    store.heartbeat([lease.key], {lease.key: Progress(120, 300, "orders")})
+    frame = render_top(store, "db", 10)
+    assert "DONE" in frame and "120/300 (40%)" in frame and "orders" not in frame
+    row = store.get("r1")
+    assert row is not None
+    data = record_data(row, store.now_ms())
+    assert data["checkpoint_bytes"] == len('{"secret-ish":"cursor"}')
+    assert (data["progress_done"], data["progress_total"], data["progress_note"]) == (
+        120,
+        300,
+        "orders",
+    )
+    assert "checkpoint" not in data
