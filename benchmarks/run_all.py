@@ -29,7 +29,7 @@ from sqlalchemy import create_engine, text
 
 from tests.helpers import scratch_database
 
-from . import contention, retention, sql, takeover, throughput
+from . import checkpoint, contention, retention, sql, takeover, throughput
 from .common import (
     REPO,
     amqp_url,
@@ -177,6 +177,9 @@ def render(
         "drawn from a set of 1, 10 or 1,000; a won run stays held.",
         "",
         sections.get("contention", "(not run)"),
+        "",
+        # Measured apart (python -m benchmarks.checkpoint): kept as it is.
+        checkpoint.kept_section(page),
         "",
         # Measured apart (python -m benchmarks.retention, a million rows): kept as it is.
         retention.kept_section(page),

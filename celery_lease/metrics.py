@@ -23,6 +23,11 @@ Exported (names as Prometheus shows them):
 - ``celery_lease_duplicates_dropped_total``: deliveries of finished runs dropped.
 - ``celery_lease_database_errors_total{stage}``: lease database errors at
   ``claim`` or ``fail``.
+- ``celery_lease_checkpoints_total{fenced}``: checkpoints saved, ``fenced`` =
+  ``true`` (committed with ``fence(conn, checkpoint=...)``) or ``false``.
+- ``celery_lease_progress_writes_total``: progress reports a renewal wrote.
+- ``celery_lease_progress_ratio{task}``: ``done / total`` of the latest progress
+  written for a run of ``task`` (reports without a total are not shown).
 - ``celery_lease_heartbeat_seconds``: latency of one batched heartbeat statement.
 - ``celery_lease_last_sweep_timestamp_seconds{database}``: when the last sweep of
   each lease database (password masked) ran, as a Unix time: seen by the process
@@ -127,6 +132,22 @@ class LeaseMetrics:
             ["stage"],
             **kw,
         )
+        self.checkpoints = prom.Counter(
+            "celery_lease_checkpoints",
+            "Checkpoints saved; fenced=true when committed with fence(conn, checkpoint=...).",
+            ["fenced"],
+            **kw,
+        )
+        self.progress_writes = prom.Counter(
+            "celery_lease_progress_writes", "Progress reports a heartbeat renewal wrote.", **kw
+        )
+        self.progress_ratio = prom.Gauge(
+            "celery_lease_progress_ratio",
+            "done/total of the latest progress written for a run of the task.",
+            ["task"],
+            multiprocess_mode="mostrecent",
+            **kw,
+        )
         self.heartbeat = prom.Histogram(
             "celery_lease_heartbeat_seconds",
             "Latency of one batched heartbeat statement.",
@@ -146,6 +167,8 @@ class LeaseMetrics:
             self.sweep_recovered.labels(action=action)
         for stage in ("claim", "fail"):
             self.db_errors.labels(stage=stage)
+        for fenced in ("true", "false"):
+            self.checkpoints.labels(fenced=fenced)
 
     def __call__(self, event: str, fields: dict[str, Any]) -> None:
         """The :meth:`~celery_lease.events.EventBus.add_listener` hook."""
@@ -165,6 +188,13 @@ class LeaseMetrics:
             swept_at, database = fields.get("swept_at"), fields.get("database")
             if isinstance(swept_at, (int, float)) and isinstance(database, str):
                 self.last_sweep.labels(database=database).set(float(swept_at))
+        elif event == "checkpoint":
+            self.checkpoints.labels(fenced="true" if fields.get("fenced") else "false").inc()
+        elif event == "progress":
+            self.progress_writes.inc()
+            done, total = fields.get("done"), fields.get("total")
+            if isinstance(done, float) and isinstance(total, float) and total > 0:
+                self.progress_ratio.labels(task=str(fields.get("task") or "")).set(done / total)
         elif event == "heartbeat":
             seconds = fields.get("seconds")
             if isinstance(seconds, (int, float)):

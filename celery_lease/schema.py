@@ -8,9 +8,15 @@ the same way on every dialect and keep millisecond resolution on SQLite, whose
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Column,
+    Float,
     Index,
     Integer,
     LargeBinary,
@@ -49,6 +55,16 @@ MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 #: The stored message's type: MySQL's plain ``BLOB`` stops at 64 KiB.
 PayloadType = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
+#: Largest checkpoint, in bytes of its compact JSON encoding (UTF-8).
+MAX_CHECKPOINT_BYTES = 64 * 1024
+#: Longest progress note, in characters.
+MAX_PROGRESS_NOTE = 200
+
+#: A checkpoint's type (JSON text): MySQL's plain ``TEXT`` stops at 64 KiB of bytes.
+CheckpointType = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+#: Progress counts: double precision everywhere (MySQL's ``FLOAT`` is single).
+ProgressType = Float().with_variant(mysql.DOUBLE(), "mysql", "mariadb")
+
 metadata = MetaData()
 
 runs = Table(
@@ -81,6 +97,15 @@ runs = Table(
     Column("result_content_type", String(64), nullable=True),
     # Times the sweeper published the run since a worker last claimed it.
     Column("requeues", Integer, nullable=False, server_default=text("0")),
+    # The latest checkpoint (JSON text) a holder of the run saved, and when (DB
+    # clock); carried to every next attempt, cleared when the run succeeds.
+    Column("checkpoint", CheckpointType, nullable=True),
+    Column("checkpoint_at", BigInteger, nullable=True),
+    # The body's last reported progress, written by a heartbeat renewal.
+    Column("progress_done", ProgressType, nullable=True),
+    Column("progress_total", ProgressType, nullable=True),
+    Column("progress_note", String(MAX_PROGRESS_NOTE), nullable=True),
+    Column("progress_at", BigInteger, nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     Index("ix_celery_lease_runs_status_expires", "status", "lease_expires_at"),
@@ -168,3 +193,52 @@ def check_claim_inputs(
             f"the task's serialized arguments are {len(payload)} bytes; at most "
             f"{MAX_PAYLOAD_BYTES} are stored (pass a reference, not the data)",
         )
+
+
+def encode_checkpoint(state: Any) -> str:
+    """``state`` as compact JSON text, or :class:`LeaseInputError` (before any SQL runs).
+
+    A JSON value (dict, list, str, int, float, bool, None; no NaN or infinity)
+    whose UTF-8 encoding is at most :data:`MAX_CHECKPOINT_BYTES`.
+    """
+    try:
+        text = json.dumps(state, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise LeaseInputError("checkpoint", f"must be a JSON value: {exc}") from None
+    size = len(text.encode("utf-8"))
+    if size > MAX_CHECKPOINT_BYTES:
+        raise LeaseInputError(
+            "checkpoint",
+            f"its compact JSON is {size} bytes; at most {MAX_CHECKPOINT_BYTES} are stored "
+            "(checkpoint a cursor or an offset, not the data)",
+        )
+    return text
+
+
+def check_progress(
+    done: object, total: object, note: object
+) -> tuple[float, float | None, str | None]:
+    """``progress()``'s values as stored, or :class:`LeaseInputError`.
+
+    ``done`` and ``total`` are finite real numbers (``total`` may be None); ``note`` a
+    string of at most :data:`MAX_PROGRESS_NOTE` characters, or None.
+    """
+    values: list[float | None] = []
+    for field, value, optional in (("progress_done", done, False), ("progress_total", total, True)):
+        if value is None and optional:
+            values.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise LeaseInputError(field, f"must be a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise LeaseInputError(field, f"must be finite, got {value!r}")
+        values.append(float(value))
+    if note is not None:
+        if not isinstance(note, str):
+            raise LeaseInputError("progress_note", f"must be a string, got {type(note).__name__}")
+        if len(note) > MAX_PROGRESS_NOTE:
+            raise LeaseInputError(
+                "progress_note",
+                f"is {len(note)} characters long; at most {MAX_PROGRESS_NOTE} are stored",
+            )
+    return float(done), values[1], note  # type: ignore[arg-type]

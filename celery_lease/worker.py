@@ -29,7 +29,7 @@ from .requeue import SweepReport, requeue_all
 from .run.outcome import record_ended
 from .run.runids import run_id_of
 from .run.task import LeasedTask
-from .runtime import WorkerInstance, app_config, app_runtime, runtime_for
+from .runtime import WorkerInstance, app_config, app_runtime, runtime_for, shutting_down
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import RunNotFound
 from .store.databases import database_for
@@ -326,6 +326,8 @@ def _on_task_revoked(
     """
     if not isinstance(sender, LeasedTask) or request is None or not request.id:
         return
+    if kwargs.get("terminated") and _terminated_by_shutdown(sender.app, request.id):
+        return  # the shutdown's hand-back gives the run back: no one asked to cancel it
     try:
         run_id = run_id_of(sender, request)
         store = runtime_for(sender.app, sender.lease_config()).store
@@ -348,6 +350,14 @@ def _on_task_revoked(
         else status,
         extra={"lease_event": "revoked", "run_id": run_id},
     )
+
+
+def _terminated_by_shutdown(app: Celery, task_id: str) -> bool:
+    """True for a body Celery itself terminated in a cold shutdown (its pool child killed,
+    reported as ``Terminated``): no ``revoke()`` named the task id."""
+    from celery.worker import state
+
+    return shutting_down(app) and task_id not in state.revoked
 
 
 def _on_worker_process_shutdown(app: Celery) -> None:

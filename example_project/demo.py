@@ -4,8 +4,10 @@ Two ``celery worker`` processes (alpha, bravo) and ``celery beat`` capture a
 stream of orders. Midway, alpha is frozen with SIGSTOP past its lease (bravo
 takes its runs over, and alpha's late completion is refused once it thaws),
 then killed with SIGKILL (the sweeper re-enqueues its runs, bravo finishes
-them). The summary is computed from the database and the workers' logs, and
-the exit status is non-zero if any invariant fails.
+them). Meanwhile a third worker (charlie) exports a few hundred past orders;
+it is killed with SIGKILL mid-export and a fourth (delta) resumes the export
+from its checkpoint. The summary is computed from the database and the
+workers' logs, and the exit status is non-zero if any invariant fails.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def merchant_of(number: int) -> str:
     """Half the orders go to the bakery, so its two capture slots fill up."""
     return MERCHANTS[0] if number % 2 else MERCHANTS[1 + (number // 2) % 3]
 
+
+#: Past orders the export job sends to the warehouse, and its latency per order (s).
+EXPORT_ORDERS = 300
+EXPORT_PAUSE = 0.01
+#: charlie is killed once this many orders are exported (checkpointed).
+EXPORT_KILL_AT = 90
 
 #: Seconds between two orders arriving; every fifth order is submitted twice.
 ORDER_SPACING = 0.4
@@ -128,6 +136,10 @@ class Demo:
         self.deadline = self.started + timeout
         self.plan = self._plan()
         self.notes: list[str] = []
+        self.killed: set[str] = set()
+        self.export_prefix = f"hist-{self.batch}-"
+        self.export_run = tasks.export_orders.lease_run_id(self.export_prefix)
+        self.export_resumed_at: int | None = None
 
     # -- output ---------------------------------------------------------------
 
@@ -168,6 +180,28 @@ class Demo:
                 raise DemoFailed(f"celery lease migrate failed:\n{proc.stdout}{proc.stderr}")
             self.say(f"  {proc.stdout.strip()}")
         metadata.create_all(self.engine)
+        self.place_past_orders()
+
+    def place_past_orders(self) -> None:
+        """The orders the export job sends: already captured, in one insert."""
+        from sqlalchemy import insert
+
+        from .tables import orders
+
+        now = self.store.now_ms()
+        rows = [
+            {
+                "id": f"{self.export_prefix}{n:03d}",
+                "merchant_id": merchant_of(n),
+                "amount_cents": 1000 + (n * 1379) % 9000,
+                "currency": "EUR",
+                "status": "captured",
+                "submitted_at_ms": now,
+            }
+            for n in range(1, EXPORT_ORDERS + 1)
+        ]
+        with self.tasks.shop_engine().begin() as conn:
+            conn.execute(insert(orders), rows)
 
     def start(self) -> tuple[CeleryProcess, CeleryProcess]:
         alpha = CeleryProcess.worker("alpha", self.env, self.workdir)
@@ -176,14 +210,75 @@ class Demo:
         self.processes.append(bravo)
         beat = CeleryProcess.beat(self.env, self.workdir)
         self.processes.append(beat)
+        charlie = self.exporter("charlie")
         alpha.wait_ready()
         bravo.wait_ready()
+        charlie.wait_ready()
         self.say(
             f"started worker alpha (pid {alpha.pid}), worker bravo (pid {bravo.pid}), "
-            f"beat (pid {beat.pid}); 2 pool processes each"
+            f"beat (pid {beat.pid}); 2 pool processes each; exporter charlie (pid {charlie.pid})"
         )
         self.started = time.monotonic()
         return alpha, bravo
+
+    def exporter(self, name: str) -> CeleryProcess:
+        """A worker with one pool process consuming only the export queue."""
+        proc = CeleryProcess.worker(
+            name, self.env, self.workdir, queues=[self.settings.export_queue], concurrency=1
+        )
+        self.processes.append(proc)
+        return proc
+
+    def kill_mid_export(self) -> None:
+        """Start the export; SIGKILL charlie once it has checkpointed; delta resumes it."""
+        self.tasks.export_orders.apply_async(args=(self.export_prefix, EXPORT_PAUSE))
+
+        def checkpointed() -> int:
+            row = self.store.get(self.export_run)
+            saved = 0 if row is None or row.checkpoint is None else int(row.checkpoint)
+            return saved if saved >= EXPORT_KILL_AT else 0
+
+        if not self.wait_until(checkpointed, 30):
+            raise DemoFailed(f"the export never checkpointed {EXPORT_KILL_AT} orders")
+        charlie = next(p for p in self.processes if p.name == "charlie")
+        charlie.kill9()
+        self.killed.add("charlie")
+        row = self.store.get(self.export_run)
+        saved = 0 if row is None or row.checkpoint is None else int(row.checkpoint)
+        self.export_resumed_at = saved
+        self.say(
+            f"SIGKILL charlie (pid {charlie.pid}) mid-export of {self.export_run}: "
+            f"checkpoint at {saved} of {EXPORT_ORDERS} orders; exporter delta takes over"
+        )
+        self.exporter("delta")  # ready in the background; the sweeper hands it the run
+
+    def say_export(self) -> None:
+        """Tell who finished the export and where it resumed."""
+        from sqlalchemy import func, select
+
+        from .tables import exports
+
+        row = self.store.get(self.export_run)
+        with self.engine.connect() as conn:
+            first = conn.execute(
+                select(func.min(exports.c.id)).where(
+                    exports.c.order_id.like(self.export_prefix + "%"), exports.c.attempt > 1
+                )
+            ).scalar()
+            resumed_with = (
+                None
+                if first is None
+                else conn.execute(select(exports.c.order_id).where(exports.c.id == first)).scalar()
+            )
+        if row is None or row.status != "succeeded":
+            self.notes.append(f"{self.export_run} did not finish")
+            return
+        worker = (row.lease_owner or "?").split("@")[0]
+        self.say(
+            f"  {self.export_run}: resumed by {worker} on attempt {row.attempt} at order "
+            f"{resumed_with} (checkpoint {self.export_resumed_at}); "
+            f"{EXPORT_ORDERS} orders exported"
+        )
 
     # -- the loop ---------------------------------------------------------------
 
@@ -214,7 +309,7 @@ class Demo:
         if time.monotonic() > self.deadline:
             raise DemoFailed(f"the demo did not finish within {self.timeout:.0f} s")
         for proc in self.processes:
-            if proc.name != "alpha" and not proc.alive():
+            if proc.name not in self.killed and not proc.alive():
                 raise DemoFailed(f"{proc.name} exited unexpectedly:\n{proc.log()[-3000:]}")
         left = len({s.order_id for s in self.plan if s.first})
         self.bar.draw(self.captured(), f"({left} orders still to arrive)" if left else "")
@@ -320,6 +415,7 @@ class Demo:
         if not held:
             raise DemoFailed("alpha held no capture to kill it during")
         alpha.kill9()
+        self.killed.add("alpha")
         ids = [run.id for run in held]
         self.say(f"SIGKILL alpha (pid {alpha.pid}) mid-capture of {', '.join(ids)}")
         self.wait_until(
@@ -352,6 +448,9 @@ class Demo:
     def all_done(self) -> bool:
         if self.captured() < self.order_count:
             return False
+        export = self.store.get(self.export_run)
+        if export is None or not export.terminal:
+            return False
         runs = self.runs()
         return len(runs) == self.order_count and all(r.terminal for r in runs)
 
@@ -371,7 +470,7 @@ class Demo:
         """Print the table and the invariants; True when every invariant holds."""
         from sqlalchemy import select
 
-        from .tables import orders, payments
+        from .tables import exports, orders, payments
 
         prefix = f"ord-{self.batch}-"
         with self.engine.connect() as conn:
@@ -379,6 +478,12 @@ class Demo:
             pay_rows = conn.execute(
                 select(payments).where(payments.c.order_id.like(prefix + "%"))
             ).all()
+            export_rows = conn.execute(
+                select(exports).where(exports.c.order_id.like(self.export_prefix + "%"))
+            ).all()
+        per_export = collections.Counter(e.order_id for e in export_rows)
+        exported_twice = sorted(o for o, n in per_export.items() if n > 1)
+        export_run = self.store.get(self.export_run)
         runs = {run.id: run for run in self.runs()}
         logs = self.logs()
         run_re = rf"capture:{re.escape(prefix)}\d+"
@@ -425,6 +530,9 @@ class Demo:
             ("peak captures per merchant", self.peak_per_merchant(pay_rows)),
             ("payments committed", len(pay_rows)),
             ("double commits", len(double)),
+            ("orders exported", len(per_export)),
+            ("export attempts", 0 if export_run is None else export_run.attempt),
+            ("orders exported twice", len(exported_twice)),
         ]
         self.say("")
         self.say("summary")
@@ -462,6 +570,17 @@ class Demo:
         peak = self.peak_per_merchant(pay_rows)
         if peak > self.tasks.MAX_CAPTURES_PER_MERCHANT:
             failures.append(f"{peak} captures of one merchant overlapped")
+        if len(per_export) != EXPORT_ORDERS or exported_twice:
+            failures.append(
+                f"{len(per_export)} of {EXPORT_ORDERS} orders exported, {len(exported_twice)} twice"
+            )
+        before_kill = [e for e in export_rows if e.attempt == 1]
+        if (
+            export_run is None
+            or export_run.attempt < 2
+            or (len(before_kill) != self.export_resumed_at)
+        ):
+            failures.append("the export did not resume from the checkpoint of its killed worker")
 
         self.say("")
         if failures:
@@ -471,7 +590,8 @@ class Demo:
             self.say(
                 "invariants hold: every order captured exactly once, every run terminal, "
                 "no double commit, each payment fenced by its run's final attempt, "
-                f"at most {self.tasks.MAX_CAPTURES_PER_MERCHANT} captures per merchant at once"
+                f"at most {self.tasks.MAX_CAPTURES_PER_MERCHANT} captures per merchant at once, "
+                "the export resumed from its checkpoint with no order exported twice"
             )
         for note in self.notes:
             self.say(f"note: {note}")
@@ -515,6 +635,7 @@ class Demo:
         self.say(f"  {workdir_note(self.workdir, self.temporary)}")
         self.prepare_database()
         alpha, _bravo = self.start()
+        self.kill_mid_export()
         self.pause_past_lease(alpha)
         self.kill_mid_run(alpha)
         finished = self.finish()
@@ -522,6 +643,7 @@ class Demo:
         self.bar.finish()
         elapsed = time.monotonic() - self.started
         if finished:
+            self.say_export()
             self.say(
                 f"all {self.order_count} orders captured, all runs finished in {elapsed:.1f} s"
             )

@@ -42,14 +42,24 @@ class CeleryProcess:
         self.pid = self.proc.pid
 
     @classmethod
-    def worker(cls, name: str, env: dict[str, str], workdir: Path) -> CeleryProcess:
-        """A prefork worker with two pool processes, node name ``name@host``."""
+    def worker(
+        cls,
+        name: str,
+        env: dict[str, str],
+        workdir: Path,
+        *,
+        queues: list[str] | None = None,
+        concurrency: int = 2,
+    ) -> CeleryProcess:
+        """A prefork worker with two pool processes (or ``concurrency``), node name
+        ``name@host``, consuming the app's queues (or only ``queues``)."""
         command = [
             "worker",
             "-P",
             "prefork",
             "-c",
-            "2",
+            str(concurrency),
+            *(["-Q", ",".join(queues)] if queues else []),
             "-n",
             f"{name}@%h",
             "-l",

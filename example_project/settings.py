@@ -82,6 +82,8 @@ class Settings:
             "task_routes": {
                 "celery_lease.sweep": {"queue": self.maintenance_queue},
                 "example_project.resubmit_stalled_captures": {"queue": self.maintenance_queue},
+                # Long exports run on workers of their own (``-Q`` this queue).
+                "example_project.export_orders": {"queue": self.export_queue},
             },
             # Long tasks: take one message at a time, acknowledge it when done.
             "task_acks_late": True,
@@ -111,6 +113,11 @@ class Settings:
     def maintenance_queue(self) -> str:
         """The queue of the sweeper and the resubmission task."""
         return f"{self.queue}-maintenance"
+
+    @property
+    def export_queue(self) -> str:
+        """The queue of the export job, consumed only by workers started with ``-Q`` it."""
+        return f"{self.queue}-exports"
 
     def make_folders(self) -> None:
         """Create the filesystem broker's folders (nothing to do for a server broker)."""

@@ -41,3 +41,15 @@ payments = Table(
     Column("body_started_at", Float, nullable=False),
     Column("committed_at", Float, nullable=False),
 )
+
+#: One row per order the export job sent to the warehouse. Again no UNIQUE(order_id):
+#: the demo counts orders exported twice instead.
+exports = Table(
+    "shop_exports",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("order_id", String(64), nullable=False, index=True),
+    # The lease attempt that exported it, and its owner.
+    Column("attempt", Integer, nullable=False),
+    Column("exported_by", String(255), nullable=False),
+)

@@ -4,6 +4,8 @@
 idempotency key, so submitting an order twice is one run), at most two
 captures per merchant run at a time (a concurrency key), and its writes commit
 only while the worker still holds the lease (``self.lease.fence``).
+``export_orders`` is a resumable job: each chunk of exported orders commits
+with its checkpoint, so a killed worker's successor resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from celery_lease import LeasedTask, store_for
 
 from . import gateway
 from .app import app, settings
-from .tables import orders, payments
+from .tables import exports, orders, payments
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,58 @@ def capture_payment(self: LeasedTask, order_id: str, merchant_id: str) -> str:
         )
         conn.execute(update(orders).where(orders.c.id == order_id).values(status="captured"))
     return gateway_ref
+
+
+#: Orders per fenced transaction of the export (one checkpoint each).
+EXPORT_CHUNK = 10
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    base=LeasedTask,
+    bind=True,
+    name="example_project.export_orders",
+    lease_key=lambda prefix, pause=0.0: prefix,
+    lease_namespace="export",  # run ids read "export:<prefix>"
+)
+def export_orders(self: LeasedTask, prefix: str, pause: float = 0.0) -> int:
+    """Export every order whose id starts with ``prefix`` to the warehouse, exactly once.
+
+    Each chunk's rows and the checkpoint (how many orders are done) commit in
+    one fenced transaction: a successor of a killed worker resumes at the
+    first order not exported, and no order is exported twice. ``pause``: the
+    warehouse's latency per order, in seconds.
+    """
+    lease = self.lease
+    with read_engine().connect() as conn:
+        ids = list(
+            conn.execute(
+                select(orders.c.id).where(orders.c.id.like(prefix + "%")).order_by(orders.c.id)
+            ).scalars()
+        )
+    done = int(lease.last_checkpoint or 0)
+    if done:
+        logger.info(
+            "export %s: attempt %d resumes at order %d of %d from its checkpoint",
+            prefix,
+            lease.attempt,
+            done,
+            len(ids),
+        )
+    while done < len(ids):
+        chunk = ids[done : done + EXPORT_CHUNK]
+        time.sleep(pause * len(chunk))  # sending them to the warehouse
+        with shop_engine().begin() as conn:
+            lease.fence(conn, checkpoint=done + len(chunk))
+            conn.execute(
+                insert(exports),
+                [
+                    {"order_id": i, "attempt": lease.attempt, "exported_by": lease.owner}
+                    for i in chunk
+                ],
+            )
+        done += len(chunk)
+        lease.progress(done, len(ids), "orders exported")
+    return done
 
 
 @app.task(name="example_project.resubmit_stalled_captures")  # type: ignore[untyped-decorator]

@@ -76,6 +76,11 @@ def check_summary(out: str) -> None:
     assert summary_value(out, "retried (attempt > 1)") >= 1
     assert "refused: automation_run_lease_lost: run capture:ord-" in out
     assert "SIGKILL alpha" in out
+    assert summary_value(out, "orders exported") == 300
+    assert summary_value(out, "orders exported twice") == 0
+    assert summary_value(out, "export attempts") >= 2
+    assert re.search(r"SIGKILL charlie .* mid-export .*: checkpoint at (\d+) of 300", out)
+    assert re.search(r"resumed by delta on attempt \d+ at order hist-\w+-\d+ \(checkpoint", out)
     assert "invariants hold" in out
 
 

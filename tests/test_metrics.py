@@ -241,3 +241,25 @@ def test_last_sweep_timestamp_is_exported(app: Celery, registry: CollectorRegist
     lease_metrics.enable(app, registry).last_sweep.clear()
     assert SweepWatch(app, warn=False).check_once()
     assert before - 2 <= value(registry, name, database=database) <= time.time() + 1
+
+
+def test_checkpoints_and_progress_are_exported(app: Celery, registry: CollectorRegistry) -> None:
+    """Saved checkpoints are counted (plain and fenced, the fenced one on its commit); a
+    renewal writing progress counts it and sets the task's done/total ratio."""
+    from celery_lease.runtime import runtime_for
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="metrics.resumable")
+    def resumable(self: LeasedTask) -> str:
+        self.lease.checkpoint({"next": 1})
+        self.lease.checkpoint({"next": 2})
+        with self.lease.transaction() as conn:
+            self.lease.fence(conn, checkpoint={"next": 3})
+        self.lease.progress(30, 120, "rows")
+        runtime_for(app, self.lease_config()).heartbeat.beat_once()
+        return "ok"
+
+    resumable.delay()
+    assert value(registry, "celery_lease_checkpoints_total", fenced="false") == 2
+    assert value(registry, "celery_lease_checkpoints_total", fenced="true") == 1
+    assert value(registry, "celery_lease_progress_writes_total") == 1
+    assert value(registry, "celery_lease_progress_ratio", task="metrics.resumable") == 0.25

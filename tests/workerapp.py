@@ -17,6 +17,7 @@ from celery import Celery
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
 
 from celery_lease import LeasedTask, LeaseLost, RunCancelled
+from celery_lease.errors import LeaseInputError
 from celery_lease.runtime import shutting_down
 from celery_lease.store import WaitBounds, create_lease_engine
 from tests.helpers import plain_engine, queue_for
@@ -35,7 +36,7 @@ if os.environ.get("CL_STALL_HEARTBEAT"):
 
     from celery_lease.store import LeaseStore
 
-    def _stalled_heartbeat(self: LeaseStore, leases: Any) -> Any:
+    def _stalled_heartbeat(self: LeaseStore, leases: Any, progress: Any = None) -> Any:
         threading.Event().wait()
 
     LeaseStore.heartbeat = _stalled_heartbeat  # type: ignore[method-assign,assignment]
@@ -541,6 +542,54 @@ if os.environ.get("CL_PUBLISH_GATE"):
         deadline = time.monotonic() + 30
         while not (gate / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.resumable", lease_interrupt=False)
+def resumable(self: LeasedTask, items: int, every: int, step: float, mode: str = "plain") -> int:
+    """Process items from the last checkpoint on, ``step`` s each, reporting progress.
+
+    Effects: ``resume:<next>:<attempt that saved it>`` at the start; ``item:<i>`` per
+    item; ``ckpt:<next>`` once a checkpoint returned (``refused:<next>`` if it raised
+    LeaseLost). ``plain``: a checkpoint every ``every`` items. ``fenced``: each item's
+    effect and its checkpoint commit in one fenced transaction. ``retry``: plain, and
+    ``self.retry()`` after attempt 1's first checkpoint.
+    """
+    lease = self.lease
+    state = lease.last_checkpoint
+    start = 0 if state is None else int(state["next"])
+    saved_by = 0 if state is None else int(state["attempt"])
+    record(lease.run_id, lease.attempt, f"resume:{start}:{saved_by}")
+    for i in range(start, items):
+        time.sleep(step)
+        if mode == "fenced":
+            with lease.transaction() as conn:
+                lease.fence(conn, checkpoint={"next": i + 1, "attempt": lease.attempt})
+                record(lease.run_id, lease.attempt, f"item:{i}", conn)
+        else:
+            record(lease.run_id, lease.attempt, f"item:{i}")
+        lease.progress(i + 1, items, f"item {i}")
+        if mode != "fenced" and (i + 1) % every == 0:
+            try:
+                lease.checkpoint({"next": i + 1, "attempt": lease.attempt})
+            except LeaseLost:
+                record(lease.run_id, lease.attempt, f"refused:{i + 1}")
+                raise
+            record(lease.run_id, lease.attempt, f"ckpt:{i + 1}")
+            if mode == "retry" and lease.attempt == 1:
+                raise self.retry(countdown=0.2)
+    return items
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.big_checkpoint")
+def big_checkpoint(self: LeasedTask, size: int) -> str:
+    """Checkpoint a string of ``size`` characters: ``too_big`` or ``saved`` (an effect)."""
+    try:
+        self.lease.checkpoint("x" * size)
+    except LeaseInputError:
+        record(self.lease.run_id, self.lease.attempt, "too_big")
+        return "too_big"
+    record(self.lease.run_id, self.lease.attempt, "saved")
+    return "saved"
 
 
 if os.environ.get("CL_TASK_DB"):

@@ -230,8 +230,34 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
         if record.status == RUNNING and record.lease_expires_at is not None
         else None
     )
+    data["checkpoint_bytes"] = (
+        None if record.checkpoint is None else len(record.checkpoint.encode("utf-8"))
+    )
+    data["checkpoint_at"] = record.checkpoint_at
+    for name in ("progress_done", "progress_total", "progress_note", "progress_at"):
+        data[name] = getattr(record, name)
     data["db_now"] = now
     return data
+
+
+def format_count(value: float) -> str:
+    """A progress count: an integer without its ``.0``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def progress_text(record: RunRecord, *, note: bool = True) -> str:
+    """``done/total`` (or ``done``), the percentage and (with ``note``) the note of a run's
+    last reported progress, or ``-``."""
+    if record.progress_done is None:
+        return "-"
+    text = format_count(record.progress_done)
+    if record.progress_total is not None:
+        text += f"/{format_count(record.progress_total)}"
+        if record.progress_total > 0:
+            text += f" ({100 * record.progress_done / record.progress_total:.0f}%)"
+    if note and record.progress_note:
+        text += f" {record.progress_note}"
+    return text
 
 
 def _short_owner(owner: str | None) -> str:

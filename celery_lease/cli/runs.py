@@ -34,6 +34,7 @@ from .common import (
     format_time,
     lease,
     lease_left,
+    progress_text,
     record_data,
     render_table,
     short_id,
@@ -92,10 +93,16 @@ def runs(
 @click.option(
     "--payload", "show_payload", is_flag=True, help="Also print the stored task arguments."
 )
+@click.option(
+    "--checkpoint", "show_checkpoint", is_flag=True, help="Also print the checkpoint's JSON."
+)
 @click.pass_context
 @_operator_errors
-def show(ctx: click.Context, run_id: str, as_json: bool, show_payload: bool) -> None:
-    """Show every column of one run, with its lease's time left by the database clock."""
+def show(
+    ctx: click.Context, run_id: str, as_json: bool, show_payload: bool, show_checkpoint: bool
+) -> None:
+    """Show every column of one run, with its lease's time left by the database clock,
+    its progress (done/total) and its checkpoint's size and age."""
     store = _open_store(ctx)
     now = store.now_ms()
     record = store.get(run_id)
@@ -104,6 +111,8 @@ def show(ctx: click.Context, run_id: str, as_json: bool, show_payload: bool) -> 
     data = record_data(record, now)
     if show_payload and record.payload is not None:
         data["payload"] = record.payload.decode("utf-8", errors="replace")
+    if show_checkpoint and record.checkpoint is not None:
+        data["checkpoint"] = json.loads(record.checkpoint)
     if as_json:
         _echo_json(data)
         return
@@ -121,10 +130,31 @@ def show(ctx: click.Context, run_id: str, as_json: bool, show_payload: bool) -> 
     lines.append(("payload", _payload_text(record, data["payload_bytes"])))
     if "payload" in data:
         lines[-1] = ("payload", str(data["payload"]))
+    progress = progress_text(record)
+    if record.progress_at is not None:
+        progress += f"  (written {format_relative(record.progress_at, now)})"
+    lines.append(("progress", progress))
+    lines.append(("checkpoint", _checkpoint_text(record, data["checkpoint_bytes"], now)))
+    if "checkpoint" in data:
+        lines[-1] = ("checkpoint", json.dumps(data["checkpoint"], ensure_ascii=False))
     lines.append(("db_now", format_time(now)))
     width = max(len(name) for name, _ in lines)
     for name, text in lines:
         click.echo(f"{name.ljust(width)}  {text}")
+
+
+def _checkpoint_text(record: RunRecord, size: int | None, now: int) -> str:
+    """What ``show`` says about the checkpoint: its size and age."""
+    if size is None:
+        if record.status == SUCCEEDED:
+            return "- (cleared: the run succeeded)"
+        return "- (none saved)"
+    saved = (
+        ""
+        if record.checkpoint_at is None
+        else f", saved {format_relative(record.checkpoint_at, now)}"
+    )
+    return f"{size} bytes{saved} (use --checkpoint to print)"
 
 
 def _payload_text(record: RunRecord, size: int | None) -> str:
@@ -198,6 +228,11 @@ def _json_option(value: str | None, kind: type, name: str) -> Any:
     default=None,
     help="Fresh attempts to give it (default: the task's lease_max_attempts).",
 )
+@click.option(
+    "--from-scratch",
+    is_flag=True,
+    help="Clear the run's checkpoint (and progress): the body starts from the beginning.",
+)
 @click.pass_context
 @_operator_errors
 def rerun(
@@ -207,6 +242,7 @@ def rerun(
     args_json: str | None,
     kwargs_json: str | None,
     attempts: int | None,
+    from_scratch: bool,
 ) -> None:
     """Run a failed or cancelled run again: back to queued, with fresh attempts.
 
@@ -216,7 +252,9 @@ def rerun(
     --args/--kwargs it is published with those arguments
     instead (checked against a keyed task's lease_key). A run with no stored
     message (a succeeded run, with --force) waits, queued, until the task is
-    sent again with the same key (or task id).
+    sent again with the same key (or task id). The run's checkpoint is kept,
+    so the body resumes from it (self.lease.last_checkpoint), unless
+    --from-scratch.
     """
     from ..requeue import requeue, rerun_headers
     from ..run.task import LeasedTask
@@ -252,11 +290,21 @@ def rerun(
     # the old one (a revoked or expired run), and would cancel the rerun at once.
     new_task_id = str(uuid.uuid4()) if publish or record.payload is not None else None
     try:
-        after = store.rerun(run_id, attempts=attempts, force=force, task_id=new_task_id)
+        after = store.rerun(
+            run_id,
+            attempts=attempts,
+            force=force,
+            task_id=new_task_id,
+            from_scratch=from_scratch,
+        )
     except RunNotRerunnable as exc:  # it changed between the read and the update
         _refuse_rerun(run_id, exc.status, force)
         raise
     tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
+    if after.checkpoint is not None:
+        tries += ", resuming from its checkpoint"
+    elif from_scratch:
+        tries += ", from scratch"
     try:
         if publish:
             headers = rerun_headers(run_id, task_id, None)

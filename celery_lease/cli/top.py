@@ -57,10 +57,21 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
                 if r.cancel_requested_at is None
                 else common.format_relative(r.cancel_requested_at, now),
                 "-" if r.started_at is None else common.format_duration(now - r.started_at),
+                common.progress_text(r, note=False),
             )
         )
     if rows:
-        headers = ("ID", "TASK", "OWNER", "ATTEMPT", "LEFT", "HEARTBEAT", "CANCEL", "RUNNING FOR")
+        headers = (
+            "ID",
+            "TASK",
+            "OWNER",
+            "ATTEMPT",
+            "LEFT",
+            "HEARTBEAT",
+            "CANCEL",
+            "RUNNING",
+            "DONE",
+        )
         lines.append(common.render_table(headers, rows))
         if any(row[0] != r.id for row, r in zip(rows, leases, strict=True)):
             lines.append(common.WIDE_HINT)
@@ -99,7 +110,7 @@ def top(ctx: click.Context, interval: float, limit: int, once: bool, wide: bool)
     """A live view of the leases, refreshed in place, until Ctrl-C.
 
     Shows the running runs (owner, attempt, lease time left, heartbeat age,
-    cancel request), the live runs per status, and what ended or went
+    cancel request, progress), the live runs per status, and what ended or went
     retrying in the last minute; all times by the database clock.
     """
     store = _open_store(ctx)

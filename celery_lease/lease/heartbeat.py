@@ -22,6 +22,9 @@ ERROR_RETRY_SECONDS = 1.0
 class Heartbeat:
     """Renews all registered leases in one statement per tick.
 
+    The same statement writes the progress each lease's body reported since
+    the last tick (never a statement of its own).
+
     The thread starts on the first :meth:`register`. Each tick waits the
     shortest ``heartbeat_interval`` among the registered leases. A database
     error is logged and retried. What a tick learns is reported to each
@@ -96,9 +99,14 @@ class Heartbeat:
         leases = [lease for lease in self.held() if lease.renewable]
         if not leases:
             return None
+        progress = {
+            lease.key: reported
+            for lease in leases
+            if (reported := lease.pending_progress()) is not None
+        }
         sent_at = self._clock()
         try:
-            result = self.store.heartbeat(lease.key for lease in leases)
+            result = self.store.heartbeat((lease.key for lease in leases), progress)
         except Exception as exc:
             self._failing = True
             logger.warning(
@@ -125,7 +133,25 @@ class Heartbeat:
         )
         for lease in leases:
             if lease.key in result.renewed:
-                lease.renewed(sent_at, cancel_requested=lease.key in result.cancel_requested)
+                written = progress.get(lease.key)
+                lease.renewed(
+                    sent_at,
+                    cancel_requested=lease.key in result.cancel_requested,
+                    progress=written,
+                )
+                if written is not None:
+                    self.events.emit(
+                        "progress",
+                        lease.run_id,
+                        "run %s: progress %g/%s written",
+                        lease.run_id,
+                        written.done,
+                        "-" if written.total is None else f"{written.total:g}",
+                        level=logging.DEBUG,
+                        task=lease.task_name,
+                        done=written.done,
+                        total=written.total,
+                    )
             else:
                 lease.refused("heartbeat refused: lease taken over, expired or ended")
         return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
 import platform
 import threading
@@ -25,8 +26,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, event
 
-from ..errors import LeaseError, LeaseLost, RunCancelled
+from ..errors import LeaseError, LeaseLost, LeaseUsageError, RunCancelled
 from ..events import LOG_ONLY, EventLog, LeaseState, Transition
+from ..schema import check_progress, encode_checkpoint
+from ..store.records import Progress
 from .interrupt import ASYNC_INTERRUPT_SUPPORTED, Interrupter, LeaseInterrupt
 from .watchdog import Watchdog, process_watchdog
 
@@ -54,6 +57,9 @@ _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
 )
 
 _warned_no_interrupt = False
+
+#: ``fence()``'s default: no checkpoint given (``checkpoint=None`` saves JSON null).
+_NO_CHECKPOINT: Any = object()
 
 
 def safety_margin(lease_seconds: float) -> float:
@@ -148,8 +154,11 @@ class Lease:
         watchdog: Watchdog | None = None,
         max_attempts: int = 0,
         events: EventLog = LOG_ONLY,
+        checkpoint: str | None = None,
+        task_name: str = "",
     ) -> None:
         self.store = store
+        self.task_name = task_name
         self.events = events
         self.run_id = run_id
         self.owner = owner
@@ -175,6 +184,11 @@ class Lease:
         self._verified = False  # the database confirmed this owner's success
         self._hooks: list[tuple[Connection, str, Callable[..., None]]] = []
         self._interrupter = Interrupter(run_id, clock)
+        # The latest saved checkpoint (JSON text): the claim's, then this attempt's.
+        self._checkpoint = checkpoint
+        # The body's latest progress, and the one a renewal last wrote.
+        self._progress: Progress | None = None
+        self._progress_written: Progress | None = None
 
     # -- what the body sees ------------------------------------------------------
 
@@ -220,6 +234,85 @@ class Lease:
             return not self._verified
         return state in (LeaseState.HELD, LeaseState.CANCEL_REQUESTED, LeaseState.COMPLETING)
 
+    @property
+    def last_checkpoint(self) -> Any:
+        """The state of the latest checkpoint saved for this run, by this attempt or an
+        earlier one; None on a fresh run.
+
+        Read by the claim statement itself and decoded with ``json.loads`` only
+        (each access returns a fresh copy).
+        """
+        text = self._checkpoint
+        return None if text is None else json.loads(text)
+
+    def checkpoint(self, state: Any) -> None:
+        """Save ``state`` (a JSON value) as the run's checkpoint, durable on return.
+
+        The next attempt of this run, whatever started it, reads it as
+        :attr:`last_checkpoint`. One guarded UPDATE (id, owner, attempt, running):
+        a stale owner can never overwrite a newer checkpoint.
+
+        Raises:
+            LeaseInputError: ``state`` is not JSON, or its compact encoding exceeds
+                64 KiB (before any SQL runs).
+            LeaseLost: the lease is no longer held (or its local deadline passed);
+                the row keeps the checkpoint it had.
+            RunCancelled: cancellation was requested for this run.
+            LeaseUsageError: called after ``fence(complete=True)`` recorded success.
+            LeaseDatabaseError: the database did not answer; the call may be repeated.
+        """
+        text = encode_checkpoint(state)
+        if self.completed_pending:
+            # The row is locked by that uncommitted transaction, or already succeeded.
+            raise LeaseUsageError(
+                f"checkpoint() on run {self.run_id} after fence(complete=True): the run is "
+                "recorded succeeded, so there is nothing to resume; pass checkpoint= to that "
+                "fence() instead"
+            )
+        with self.uninterruptible():
+            self.check()
+            try:
+                self.store.checkpoint(self.run_id, self.owner, self.attempt, text)
+            except LeaseLost as exc:
+                self.mark_lost(exc.reason)
+                raise
+        self._checkpoint = text
+        self._checkpoint_saved(text, fenced=False)
+
+    def _checkpoint_saved(self, text: str, *, fenced: bool) -> None:
+        self.events.emit(
+            "checkpoint",
+            self.run_id,
+            "run %s: checkpoint saved (%d characters)",
+            self.run_id,
+            len(text),
+            level=logging.DEBUG,
+            task=self.task_name,
+            fenced=fenced,
+        )
+
+    def progress(self, done: float, total: float | None = None, note: str | None = None) -> None:
+        """Report progress: kept in memory, written by the next heartbeat renewal.
+
+        No statement of its own, ever: the renewal that keeps the lease alive
+        carries it. ``lease show``, ``lease top`` and the metrics show it.
+
+        Raises:
+            LeaseInputError: ``done``/``total`` are not finite numbers, or ``note``
+                is not a string of at most 200 characters.
+        """
+        self._progress = Progress(*check_progress(done, total, note))
+
+    @property
+    def reported_progress(self) -> Progress | None:
+        """The latest progress the body reported (written or not), or None."""
+        return self._progress
+
+    def pending_progress(self) -> Progress | None:
+        """The progress a renewal should write now: reported and not written yet."""
+        progress = self._progress
+        return None if progress is self._progress_written else progress
+
     def check(self) -> None:
         """Raise if the lease is gone or the run was cancelled; else return at once.
 
@@ -242,7 +335,9 @@ class Lease:
             return RunCancelled(self.run_id, self.owner, self.attempt)
         return None
 
-    def fence(self, connection: Connection, *, complete: bool = False) -> None:
+    def fence(
+        self, connection: Connection, *, complete: bool = False, checkpoint: Any = _NO_CHECKPOINT
+    ) -> None:
         """Prove, inside ``connection``'s open transaction, that this lease still holds.
 
         Locks the run row until that transaction ends, so writes made in it
@@ -251,27 +346,41 @@ class Lease:
         succeeded in the same transaction, so the writes and the completion
         commit together or not at all (exactly-once effects on that database);
         if that transaction rolls back, the lease is held again and watched as
-        before.
+        before. ``checkpoint=state`` saves ``state`` as the run's checkpoint in
+        that transaction too: the writes and the checkpoint commit together
+        (exactly once per item); :attr:`last_checkpoint` follows on commit. A
+        success clears the checkpoint, so with ``complete=True`` it is checked
+        and not kept.
 
         Raises:
+            LeaseInputError: ``checkpoint`` is not JSON or exceeds 64 KiB (before
+                any SQL runs).
             LeaseLost: the lease is no longer held, or its local deadline passed
                 (the transaction should roll back).
             LeaseUsageError: ``connection`` is on another database than the
                 lease's, which still holds the lease (the lease stays held).
         """
+        text = None if checkpoint is _NO_CHECKPOINT else encode_checkpoint(checkpoint)
         with self.uninterruptible():
             if self._state is not LeaseState.COMPLETING:
                 self._detach_hooks()
             self.check()
             try:
                 self.store.fence(
-                    connection, self.run_id, self.owner, self.attempt, complete=complete
+                    connection,
+                    self.run_id,
+                    self.owner,
+                    self.attempt,
+                    complete=complete,
+                    checkpoint=text,
                 )
             except LeaseLost as exc:
                 self.mark_lost(exc.reason)
                 raise
             if complete:
                 self._completing(connection)
+            elif text is not None:
+                self._checkpoint_on_commit(connection, text)
 
     def transaction(self) -> contextlib.AbstractContextManager[Connection]:
         """``with lease.transaction() as conn:``: the lease database, in a transaction.
@@ -356,9 +465,18 @@ class Lease:
 
     # -- what the heartbeat and the watchdog report --------------------------------
 
-    def renewed(self, sent_at: float, *, cancel_requested: bool = False) -> None:
-        """A renewal sent at ``sent_at`` (this lease's clock) was confirmed by the database."""
+    def renewed(
+        self,
+        sent_at: float,
+        *,
+        cancel_requested: bool = False,
+        progress: Progress | None = None,
+    ) -> None:
+        """A renewal sent at ``sent_at`` (this lease's clock) was confirmed by the database;
+        it wrote ``progress`` when given."""
         transitions: list[Transition | None] = []
+        if progress is not None:
+            self._progress_written = progress
         with self._lock:
             state = self._state
             if state in (LeaseState.LOST, LeaseState.CANCELLED):
@@ -568,6 +686,27 @@ class Lease:
             ("rollback", on_rollback),
             ("rollback_savepoint", on_rollback_savepoint),
         ):
+            event.listen(connection, name, fn)
+            self._hooks.append((connection, name, fn))
+
+    def _checkpoint_on_commit(self, connection: Connection, text: str) -> None:
+        """After ``fence(conn, checkpoint=...)``: the checkpoint is this lease's latest once
+        ``connection``'s transaction commits (a rollback leaves the one before)."""
+
+        ended = False
+
+        def on_commit(conn: Connection) -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._checkpoint = text
+                self._checkpoint_saved(text, fenced=True)
+
+        def on_rollback(conn: Connection) -> None:
+            nonlocal ended
+            ended = True
+
+        for name, fn in (("commit", on_commit), ("rollback", on_rollback)):
             event.listen(connection, name, fn)
             self._hooks.append((connection, name, fn))
 

@@ -193,6 +193,8 @@ class Attempt:
             interrupt=config.interrupt and not app_runtime(task.app).green_pool,
             max_attempts=claim.max_attempts,
             events=runtime.events,
+            checkpoint=claim.checkpoint,
+            task_name=task.name,
         )
         return self._run_body(self.lease)
 

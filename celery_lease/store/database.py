@@ -44,7 +44,8 @@ from .bounds import WaitBounds
 from .driver import DriverStatement
 from .sql import claim_params, claim_upsert, claimable, insert_values, takeover_values
 
-ClaimRow = tuple[int, int, int]
+#: What a claim returns: the new attempt, its expiry, the attempt ceiling, the checkpoint.
+ClaimRow = tuple[int, int, int, str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ class UpsertClaim:
         conn: Connection | None = None,
     ) -> ClaimRow | None:
         """Insert or take over the run (in ``conn``'s transaction if given); the new
-        attempt, expiry and attempt ceiling, or None when it was not claimable."""
+        attempt, expiry, attempt ceiling and checkpoint, or None when it was not claimable."""
         params = claim_params(values, lease_ms, max_attempts)
         if conn is not None:
             row = conn.execute(self.statement, params).first()
@@ -99,7 +100,7 @@ class UpsertClaim:
         else:
             with self._auto.connect() as auto:
                 row = auto.execute(self.statement, params).first()
-        return None if row is None else (int(row[0]), int(row[1]), int(row[2]))
+        return None if row is None else (int(row[0]), int(row[1]), int(row[2]), row[3])
 
 
 class LockedClaim:
@@ -140,10 +141,13 @@ class LockedClaim:
             if changed != 1:
                 return None
             attempt = int(current[0]) + 1
-        expires, ceiling = conn.execute(
-            select(runs.c.lease_expires_at, runs.c.max_attempts).where(runs.c.id == values["id"])
+        # The read that returns the expiry also returns the checkpoint: no extra statement.
+        expires, ceiling, checkpoint = conn.execute(
+            select(runs.c.lease_expires_at, runs.c.max_attempts, runs.c.checkpoint).where(
+                runs.c.id == values["id"]
+            )
         ).one()
-        return attempt, int(expires), int(ceiling)
+        return attempt, int(expires), int(ceiling), checkpoint
 
 
 class Database:
@@ -294,11 +298,18 @@ class Database:
             conn.execute(self.insert(runs).values(waiting))
 
     def renew(
-        self, engine: Engine, auto: Engine, renew: Any, guard: Any, columns: Sequence[Any]
+        self,
+        engine: Engine,
+        auto: Engine,
+        renew: Any,
+        guard: Any,
+        columns: Sequence[Any],
+        params: dict[str, Any] | None = None,
     ) -> Sequence[Any]:
-        """Run the heartbeat's ``renew`` and return ``columns`` of the rows it renewed."""
+        """Run the heartbeat's ``renew`` (with bind ``params``) and return ``columns`` of the
+        rows it renewed."""
         with engine.begin() as conn:
-            conn.execute(renew)
+            conn.execute(renew, params or {})
             return conn.execute(select(*columns).where(guard)).all()
 
     def keep(

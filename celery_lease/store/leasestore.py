@@ -16,7 +16,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import (
@@ -49,24 +49,45 @@ from ..schema import (
     runs,
 )
 from .bounds import DEFAULT_BOUNDS, WaitBounds
-from .database import CLAIM_CONTENTION, create_schema
+from .database import CLAIM_CONTENTION, ClaimRow, create_schema
 from .databases import backend_of, database_for
 from .driver import DriverStatement
 from .records import (
     _CLEARED_MESSAGE,
+    _CLEARED_ON_SUCCESS,
     CLAIM_CONTENTION_TRIES,
     PURGE_BATCH,
     Activity,
     ClaimResult,
     HeartbeatResult,
     LeaseKey,
+    Progress,
     RunRecord,
 )
-from .sql import complete_by_binds, ended_values, guarded, purgeable, success_values
+from .sql import (
+    checkpoint_by_binds,
+    checkpoint_values,
+    complete_by_binds,
+    ended_values,
+    guarded,
+    progress_values,
+    purgeable,
+    success_values,
+)
 
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: What ``rerun(from_scratch=True)`` clears: the run starts again with no checkpoint.
+_FROM_SCRATCH: dict[str, Any] = {
+    "checkpoint": None,
+    "checkpoint_at": None,
+    "progress_done": None,
+    "progress_total": None,
+    "progress_note": None,
+    "progress_at": None,
+}
 
 
 def _db_errors(method: F) -> F:
@@ -124,6 +145,10 @@ class LeaseStore:
         self._complete_stmt = complete_by_binds()
         self._complete_driver = (
             DriverStatement(self._auto, self._complete_stmt, returns_row=False) if raw else None
+        )
+        self._checkpoint_stmt = checkpoint_by_binds()
+        self._checkpoint_driver = (
+            DriverStatement(self._auto, self._checkpoint_stmt, returns_row=False) if raw else None
         )
 
     @classmethod
@@ -303,12 +328,14 @@ class LeaseStore:
         else:
             row = self._claim_path.claim(values, lease_ms, max_attempts)
         if row is not None:
-            return ClaimResult("claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2])
+            return ClaimResult(
+                "claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2], checkpoint=row[3]
+            )
         return self._claim_refused(run_id, owner, max_attempts)
 
     def _claim_limited(
         self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int
-    ) -> ClaimResult | tuple[int, int, int] | None:
+    ) -> ClaimResult | ClaimRow | None:
         """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
 
         The count and the claim run in one transaction, under the database's
@@ -516,17 +543,22 @@ class LeaseStore:
     # -- while a lease is held: heartbeat, fence, guarded outcomes -----------------
 
     @_db_errors
-    def heartbeat(self, leases: Iterable[LeaseKey]) -> HeartbeatResult:
+    def heartbeat(
+        self, leases: Iterable[LeaseKey], progress: Mapping[LeaseKey, Progress] | None = None
+    ) -> HeartbeatResult:
         """Renew every given lease that is still held and unexpired, in one statement.
 
         Each renewed lease expires ``lease_ms`` after the database's now. A lease
         not renewed (taken over, expired, ended) is reported lost. Renewed leases
         whose run has a cancel request are reported in ``cancel_requested``.
+        ``progress`` (per lease, what its body reported since the last write) is
+        written by the same statement, on the renewed rows only.
         """
         keys = list(leases)
         if not keys:
             return HeartbeatResult(frozenset(), frozenset(), frozenset())
         now = db_now_ms()
+        reported, params = progress_values(progress or {})
         guard = and_(
             # The ids alone as well: InnoDB then reads the rows by primary key and
             # waits for no other run's lock (a fence holds its run's row lock).
@@ -538,10 +570,15 @@ class LeaseStore:
         renew = (
             update(runs)
             .where(guard)
-            .values(lease_expires_at=now + runs.c.lease_ms, heartbeat_at=now, updated_at=now)
+            .values(
+                lease_expires_at=now + runs.c.lease_ms,
+                heartbeat_at=now,
+                updated_at=now,
+                **reported,
+            )
         )
         columns = (runs.c.id, runs.c.lease_owner, runs.c.attempt, runs.c.cancel_requested_at)
-        rows = self.database.renew(self.engine, self._auto, renew, guard, columns)
+        rows = self.database.renew(self.engine, self._auto, renew, guard, columns, params)
         renewed = frozenset((r[0], r[1], int(r[2])) for r in rows)
         cancel = frozenset((r[0], r[1], int(r[2])) for r in rows if r[3] is not None)
         lost = frozenset(keys) - renewed
@@ -556,6 +593,7 @@ class LeaseStore:
         attempt: int,
         *,
         complete: bool = False,
+        checkpoint: str | None = None,
     ) -> None:
         """Inside the caller's transaction, lock the run row and prove the lease is live.
 
@@ -564,9 +602,13 @@ class LeaseStore:
         takeover cannot slip in before the caller's writes commit. With
         ``complete=True`` the run is also marked ``succeeded`` in that same
         transaction: the caller's writes and the completion commit together.
+        ``checkpoint`` (JSON text) is saved by the same statement, so it commits
+        with the caller's writes; success clears it, as any success does.
         """
         now = db_now_ms()
         values: dict[str, Any] = {"heartbeat_at": runs.c.heartbeat_at}
+        if checkpoint is not None:
+            values = checkpoint_values(now, checkpoint)
         if complete:
             values = success_values(now)
         stmt = (
@@ -593,6 +635,23 @@ class LeaseStore:
                 return conn.execute(stmt).first() is not None
         except SQLAlchemyError:  # the diagnosis must never hide the refusal itself
             return False
+
+    @_db_errors
+    def checkpoint(self, run_id: str, owner: str, attempt: int, state: str) -> None:
+        """Save ``state`` (JSON text) as the run's checkpoint: one guarded UPDATE.
+
+        Only this owner and attempt of a running run whose lease has not expired
+        (DB clock) can; else :class:`LeaseLost`, and the row keeps the checkpoint
+        it had. Durable when it returns (the statement commits by itself).
+        """
+        params = {"p_id": run_id, "p_owner": owner, "p_attempt": attempt, "p_checkpoint": state}
+        if self._checkpoint_driver is not None:
+            changed = self._checkpoint_driver.execute(params)[0]
+        else:
+            with self._auto.connect() as conn:
+                changed = conn.execute(self._checkpoint_stmt, params).rowcount
+        if changed != 1:
+            raise self._lost(run_id, owner, attempt, "checkpoint refused")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -737,7 +796,7 @@ class LeaseStore:
             attempt,
             "end",
             **ended_values(now, status, failure_code, error),
-            **(_CLEARED_MESSAGE if status == SUCCEEDED else {}),
+            **(_CLEARED_ON_SUCCESS if status == SUCCEEDED else {}),
         )
 
     @_db_errors
@@ -1222,7 +1281,13 @@ class LeaseStore:
 
     @_db_errors
     def rerun(
-        self, run_id: str, *, attempts: int, force: bool = False, task_id: str | None = None
+        self,
+        run_id: str,
+        *,
+        attempts: int,
+        force: bool = False,
+        task_id: str | None = None,
+        from_scratch: bool = False,
     ) -> RunRecord:
         """Put a ``failed``/``cancelled`` run (``succeeded`` too with ``force``) back to ``queued``.
 
@@ -1232,7 +1297,9 @@ class LeaseStore:
         ``attempt + attempts``. Owner, lease, cancel request, failure and times
         of the ended series are cleared; the stored message (if any) is kept,
         and the run's own ``task_id`` too unless ``task_id`` gives the one it is
-        published under now. Returns the row as it is now. Raises
+        published under now. The checkpoint is kept (the next attempt resumes
+        from it) unless ``from_scratch``, which clears it and the progress.
+        Returns the row as it is now. Raises
         :class:`RunNotFound`, or :class:`RunNotRerunnable` with the status found.
         """
         if attempts < 1:
@@ -1257,6 +1324,7 @@ class LeaseStore:
                 requeues=0,
                 updated_at=now,
                 **({} if task_id is None else {"task_id": task_id}),
+                **(_FROM_SCRATCH if from_scratch else {}),
             )
         )
         with self._auto.connect() as conn:

@@ -209,11 +209,17 @@ class PostgreSQL(Database):
         upsert_waiting(self.insert, conn, waiting, bump)
 
     def renew(
-        self, engine: Engine, auto: Engine, renew: Any, guard: Any, columns: Sequence[Any]
+        self,
+        engine: Engine,
+        auto: Engine,
+        renew: Any,
+        guard: Any,
+        columns: Sequence[Any],
+        params: dict[str, Any] | None = None,
     ) -> Sequence[Any]:
         """One ``UPDATE .. RETURNING``."""
         with auto.connect() as conn:
-            return conn.execute(renew.returning(*columns)).all()
+            return conn.execute(renew.returning(*columns), params or {}).all()
 
     def keep(
         self,

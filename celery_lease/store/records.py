@@ -22,6 +22,23 @@ PURGE_BATCH = 1000
 _CLEARED_MESSAGE: dict[str, Any] = {"payload": None, "payload_content_type": None}
 LeaseKey = tuple[str, str, int]
 
+#: What success clears besides the stored message: the checkpoint (a finished run
+#: resumes nothing; ``celery lease rerun --force`` of it starts from scratch).
+_CLEARED_ON_SUCCESS: dict[str, Any] = {
+    **_CLEARED_MESSAGE,
+    "checkpoint": None,
+    "checkpoint_at": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a body reported with ``self.lease.progress()``: written by the next renewal."""
+
+    done: float
+    total: float | None = None
+    note: str | None = None
+
 
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
@@ -44,6 +61,9 @@ class ClaimResult:
     #: For ``claimed``: the attempt at which the run is out of attempts (the row's
     #: ``max_attempts``: the claimer's setting, or more after ``celery lease rerun``).
     max_attempts: int = 0
+    #: For ``claimed``: the run's latest checkpoint (JSON text), read by the claim
+    #: statement itself; None on a fresh run.
+    checkpoint: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +105,14 @@ class RunRecord:
     result_content_type: str | None = None
     #: Times the sweeper published the run since a worker last claimed it.
     requeues: int = 0
+    #: The latest checkpoint (JSON text) and when it was saved (DB clock).
+    checkpoint: str | None = None
+    checkpoint_at: int | None = None
+    #: The body's last reported progress, and when a renewal wrote it (DB clock).
+    progress_done: float | None = None
+    progress_total: float | None = None
+    progress_note: str | None = None
+    progress_at: int | None = None
 
     @property
     def terminal(self) -> bool:

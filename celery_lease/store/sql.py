@@ -7,22 +7,36 @@ database clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Integer, String, Table, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import (
+    Integer,
+    String,
+    Table,
+    and_,
+    bindparam,
+    case,
+    func,
+    or_,
+    select,
+    update,
+)
 
 from ..schema import (
+    MAX_PROGRESS_NOTE,
     QUEUED,
     RETRYING,
     RUNNING,
     SUCCEEDED,
     TERMINAL_STATUSES,
     PayloadType,
+    ProgressType,
     db_now_ms,
     runs,
 )
-from .records import _CLEARED_MESSAGE
+from .records import _CLEARED_ON_SUCCESS, LeaseKey, Progress
 
 #: Builds a dialect's ``INSERT`` construct for a table (see ``Database.insert``).
 InsertBuilder = Callable[[Table], Any]
@@ -44,7 +58,8 @@ def ended_values(now: Any, status: str, failure_code: str, error: str | None) ->
 
 
 def success_values(now: Any) -> dict[str, Any]:
-    """The values that end a run ``succeeded`` at ``now``, its stored message cleared."""
+    """The values that end a run ``succeeded`` at ``now``, its stored message and
+    checkpoint cleared."""
     return {
         "status": SUCCEEDED,
         "lease_expires_at": now,
@@ -52,7 +67,52 @@ def success_values(now: Any) -> dict[str, Any]:
         "updated_at": now,
         "last_error": None,
         "failure_code": None,
-        **_CLEARED_MESSAGE,
+        **_CLEARED_ON_SUCCESS,
+    }
+
+
+def checkpoint_values(now: Any, state: Any) -> dict[str, Any]:
+    """The values that save ``state`` (JSON text) as the run's checkpoint at ``now``."""
+    return {"checkpoint": state, "checkpoint_at": now, "updated_at": now}
+
+
+def progress_values(
+    progress: Mapping[LeaseKey, Progress],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The heartbeat renewal's extra values writing each lease's reported ``progress``,
+    and their bind parameters.
+
+    One ``CASE`` per column, on the owner (unique per claim); rows without new
+    progress keep theirs. The construct depends only on how many leases
+    reported, so it is built once per count and its compiled form is cached.
+    Empty when no lease reported any.
+    """
+    if not progress:
+        return {}, {}
+    params: dict[str, Any] = {"p_powners": [key[1] for key in progress]}
+    for i, (key, value) in enumerate(progress.items()):
+        params[f"p_po{i}"] = key[1]
+        params[f"p_pd{i}"] = value.done
+        params[f"p_pt{i}"] = value.total
+        params[f"p_pn{i}"] = value.note
+    return _progress_template(len(progress)), params
+
+
+@functools.lru_cache(maxsize=128)
+def _progress_template(count: int) -> dict[str, Any]:
+    """The ``CASE`` values of :func:`progress_values` for ``count`` reporting leases."""
+    owners = [runs.c.lease_owner == bindparam(f"p_po{i}", type_=String) for i in range(count)]
+
+    def per_owner(name: str, type_: Any, column: Any) -> Any:
+        whens = [(owners[i], bindparam(f"p_p{name}{i}", type_=type_)) for i in range(count)]
+        return case(*whens, else_=column)
+
+    reported = runs.c.lease_owner.in_(bindparam("p_powners", expanding=True))
+    return {
+        "progress_done": per_owner("d", ProgressType, runs.c.progress_done),
+        "progress_total": per_owner("t", ProgressType, runs.c.progress_total),
+        "progress_note": per_owner("n", String(MAX_PROGRESS_NOTE), runs.c.progress_note),
+        "progress_at": case((reported, db_now_ms()), else_=runs.c.progress_at),
     }
 
 
@@ -133,8 +193,9 @@ def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
 def claim_upsert(insert: InsertBuilder) -> Any:
     """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` with bind parameters.
 
-    Returns the new attempt, expiry and attempt ceiling; no row when the run
-    was not claimable. Its parameters come from :func:`claim_params`.
+    Returns the new attempt, expiry, attempt ceiling and the run's checkpoint
+    (kept by a takeover, NULL on an insert); no row when the run was not claimable.
+    Its parameters come from :func:`claim_params`.
     """
     lease_ms = bindparam("p_lease_ms", type_=Integer)
     max_attempts = bindparam("p_max_attempts", type_=Integer)
@@ -159,7 +220,7 @@ def claim_upsert(insert: InsertBuilder) -> Any:
             set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
             where=claimable(max_attempts),
         )
-        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts)
+        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts, runs.c.checkpoint)
     )
 
 
@@ -192,6 +253,21 @@ def complete_by_binds() -> Any:
                 "p_result_ct", None, type_=runs.c.result_content_type.type
             ),
         )
+    )
+
+
+def checkpoint_by_binds() -> Any:
+    """``UPDATE .. SET checkpoint WHERE guarded AND lease unexpired`` with bind parameters
+    ``p_id``, ``p_owner``, ``p_attempt`` and ``p_checkpoint`` (JSON text): compiled once
+    per store."""
+    now = db_now_ms()
+    return (
+        update(runs)
+        .where(
+            guarded(bindparam("p_id"), bindparam("p_owner"), bindparam("p_attempt")),
+            runs.c.lease_expires_at > now,
+        )
+        .values(checkpoint_values(now, bindparam("p_checkpoint", type_=runs.c.checkpoint.type)))
     )
 
 
