@@ -21,7 +21,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, event
 
@@ -48,6 +48,21 @@ CLOCK_RATE_SLACK = 0.001
 _INTERRUPTING = (LeaseState.LOST, LeaseState.CANCEL_REQUESTED)
 #: The states in which the local deadline can still make the lease lost.
 _DEADLINE_APPLIES = (LeaseState.HELD, LeaseState.CANCEL_REQUESTED)
+
+#: How the reason of a loss found by the local deadline begins.
+DEADLINE_PASSED = "local deadline passed"
+
+#: What a lease without tracing opens around its operations: nothing.
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+class LeaseSpans(Protocol):
+    """What traces a lease's operations (:class:`celery_lease.tracing.AttemptTrace`)."""
+
+    def span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
+        """A ``celery_lease.<name>`` span around the block, ``outcome`` if it returns."""
+        ...
+
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_lease_current", default=None
@@ -131,6 +146,7 @@ class Lease:
         events: where its transitions are published: its app's
             :class:`~celery_lease.events.EventBus` (given by the task), else
             :data:`~celery_lease.events.LOG_ONLY`.
+        trace: the spans of its operations (``celery-lease[otel]``), or None.
     """
 
     def __init__(
@@ -148,9 +164,11 @@ class Lease:
         watchdog: Watchdog | None = None,
         max_attempts: int = 0,
         events: EventLog = LOG_ONLY,
+        trace: LeaseSpans | None = None,
     ) -> None:
         self.store = store
         self.events = events
+        self.trace = trace
         self.run_id = run_id
         self.owner = owner
         self.attempt = attempt
@@ -259,7 +277,7 @@ class Lease:
             LeaseUsageError: ``connection`` is on another database than the
                 lease's, which still holds the lease (the lease stays held).
         """
-        with self.uninterruptible():
+        with self.uninterruptible(), self._span("fence", "completing" if complete else "held"):
             if self._state is not LeaseState.COMPLETING:
                 self._detach_hooks()
             self.check()
@@ -295,6 +313,10 @@ class Lease:
             LeaseDatabaseError: the database did not answer; the lease is as
                 before and the call may be repeated.
         """
+        with self._span("complete", "succeeded"):
+            self._complete(result)
+
+    def _complete(self, result: tuple[bytes, str] | None) -> None:
         transition = None
         with self._lock:
             if self._state is LeaseState.COMPLETED and self._verified:
@@ -408,7 +430,7 @@ class Lease:
         with self._lock:
             if self._state in _DEADLINE_APPLIES and now >= self._deadline:
                 transition = self._lose_locked(
-                    f"local deadline passed: no renewal confirmed within "
+                    f"{DEADLINE_PASSED}: no renewal confirmed within "
                     f"{self.lease_seconds - self.margin:.3g}s (heartbeat stalled or "
                     "database unreachable)"
                 )
@@ -485,6 +507,11 @@ class Lease:
 
     # -- state changes (under the lock) ------------------------------------------
 
+    def _span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
+        """The ``celery_lease.<name>`` span of an operation (nothing without tracing)."""
+        trace = self.trace
+        return _NO_SPAN if trace is None else trace.span(name, outcome)
+
     def _publish(self, transition: Transition | None) -> None:
         if transition is not None:
             self.events.publish(transition)
@@ -509,9 +536,22 @@ class Lease:
             self._deliver_due_locked()
 
     def _deliver_due_locked(self, now: float | None = None) -> None:
-        withheld = self._interrupter.deliver(self._state in _INTERRUPTING, now)
+        interrupter = self._interrupter
+        sent = interrupter.sent
+        withheld = interrupter.deliver(self._state in _INTERRUPTING, now)
         if withheld and self._watchdog is not None:
             self._watchdog.nudge()  # it delivers once the quiet period ends
+        elif interrupter.sent > sent:
+            self.events.emit(
+                "interrupt_sent",
+                self.run_id,
+                "run %s attempt %d: interrupt raised in the body (%s)",
+                self.run_id,
+                self.attempt,
+                self._state.value,
+                level=logging.DEBUG,
+                attempt=self.attempt,
+            )
 
     # -- the fenced completion -----------------------------------------------------
 

@@ -44,7 +44,7 @@ from .bounds import WaitBounds
 from .driver import DriverStatement
 from .sql import claim_params, claim_upsert, claimable, insert_values, takeover_values
 
-ClaimRow = tuple[int, int, int]
+ClaimRow = tuple[int, int, int, str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ class UpsertClaim:
         conn: Connection | None = None,
     ) -> ClaimRow | None:
         """Insert or take over the run (in ``conn``'s transaction if given); the new
-        attempt, expiry and attempt ceiling, or None when it was not claimable."""
+        attempt, expiry, attempt ceiling and trace context, or None when it was not claimable."""
         params = claim_params(values, lease_ms, max_attempts)
         if conn is not None:
             row = conn.execute(self.statement, params).first()
@@ -99,7 +99,7 @@ class UpsertClaim:
         else:
             with self._auto.connect() as auto:
                 row = auto.execute(self.statement, params).first()
-        return None if row is None else (int(row[0]), int(row[1]), int(row[2]))
+        return None if row is None else (int(row[0]), int(row[1]), int(row[2]), row[3])
 
 
 class LockedClaim:
@@ -140,10 +140,12 @@ class LockedClaim:
             if changed != 1:
                 return None
             attempt = int(current[0]) + 1
-        expires, ceiling = conn.execute(
-            select(runs.c.lease_expires_at, runs.c.max_attempts).where(runs.c.id == values["id"])
+        expires, ceiling, trace_context = conn.execute(
+            select(runs.c.lease_expires_at, runs.c.max_attempts, runs.c.trace_context).where(
+                runs.c.id == values["id"]
+            )
         ).one()
-        return attempt, int(expires), int(ceiling)
+        return attempt, int(expires), int(ceiling), trace_context
 
 
 class Database:

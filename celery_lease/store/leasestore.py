@@ -49,7 +49,7 @@ from ..schema import (
     runs,
 )
 from .bounds import DEFAULT_BOUNDS, WaitBounds
-from .database import CLAIM_CONTENTION, create_schema
+from .database import CLAIM_CONTENTION, ClaimRow, create_schema
 from .databases import backend_of, database_for
 from .driver import DriverStatement
 from .records import (
@@ -230,6 +230,7 @@ class LeaseStore:
         payload: bytes | None = None,
         payload_content_type: str | None = None,
         task_id: str | None = None,
+        trace_context: str | None = None,
     ) -> ClaimResult:
         """Insert the run or take it over, atomically; ``attempt`` grows by one per claim.
 
@@ -240,6 +241,9 @@ class LeaseStore:
         ``concurrency``) while that many live leases share ``concurrency_key``;
         the count and the claim happen under one lock on the key. ``task_id``
         is the claiming delivery's Celery task id, recorded as the run's own.
+        ``trace_context`` is the claiming attempt's W3C ``traceparent``: a
+        takeover keeps it with the first ``traceparent`` the row held (the
+        attempt it continues) in the same statement, and the result returns both.
         """
         check_claim_inputs(
             run_id=run_id,
@@ -250,6 +254,7 @@ class LeaseStore:
             concurrency_key=concurrency_key,
             payload=payload,
             task_id=task_id,
+            trace_context=trace_context,
         )
         values = {
             "id": run_id,
@@ -263,6 +268,7 @@ class LeaseStore:
             "task_id": task_id,
             "payload": payload,
             "payload_content_type": payload_content_type,
+            "trace_context": trace_context,
         }
         limit = max_concurrency if concurrency_key is not None else None
         for tries in range(1, CLAIM_CONTENTION_TRIES + 1):
@@ -303,12 +309,14 @@ class LeaseStore:
         else:
             row = self._claim_path.claim(values, lease_ms, max_attempts)
         if row is not None:
-            return ClaimResult("claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2])
+            return ClaimResult(
+                "claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2], trace_context=row[3]
+            )
         return self._claim_refused(run_id, owner, max_attempts)
 
     def _claim_limited(
         self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int
-    ) -> ClaimResult | tuple[int, int, int] | None:
+    ) -> ClaimResult | ClaimRow | None:
         """Claim under a per-key lock, only while fewer than ``limit`` live leases share the key.
 
         The count and the claim run in one transaction, under the database's
@@ -366,6 +374,8 @@ class LeaseStore:
             "status": QUEUED,
             "lease_owner": None,
             "attempt": 0,
+            # No attempt ran: the trace context the row keeps is a claimer's.
+            "trace_context": None,
             "available_at": now + wait_ms,
             "created_at": now,
             "updated_at": now,

@@ -44,6 +44,10 @@ class ClaimResult:
     #: For ``claimed``: the attempt at which the run is out of attempts (the row's
     #: ``max_attempts``: the claimer's setting, or more after ``celery lease rerun``).
     max_attempts: int = 0
+    #: For ``claimed``: the row's ``trace_context`` as the claim wrote it: the
+    #: claimer's ``traceparent``, then that of the attempt it took over from (None
+    #: when the claimer traces nothing).
+    trace_context: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,9 @@ class RunRecord:
     result_content_type: str | None = None
     #: Times the sweeper published the run since a worker last claimed it.
     requeues: int = 0
+    #: The last claimer's W3C ``traceparent``, then that of the attempt it took
+    #: over from (``celery-lease[otel]``); None when it traced nothing.
+    trace_context: str | None = None
 
     @property
     def terminal(self) -> bool:

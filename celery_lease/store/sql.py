@@ -10,7 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Integer, String, Table, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import (
+    Integer,
+    String,
+    Table,
+    and_,
+    bindparam,
+    case,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.sql.elements import ColumnElement
 
 from ..schema import (
     QUEUED,
@@ -18,6 +31,7 @@ from ..schema import (
     RUNNING,
     SUCCEEDED,
     TERMINAL_STATUSES,
+    TRACEPARENT_LENGTH,
     PayloadType,
     db_now_ms,
     runs,
@@ -113,7 +127,23 @@ def takeover_values(
         "started_at": func.coalesce(runs.c.started_at, now),
         "finished_at": None,
         "updated_at": now,
+        "trace_context": continued_trace(values["trace_context"]),
     }
+
+
+def continued_trace(trace_context: Any) -> Any:
+    """The ``trace_context`` a takeover writes: the claimer's ``traceparent``, a space,
+    and the first ``traceparent`` the row held (the attempt taken over from).
+
+    NULL when the claimer traces nothing. Bounded: two ``traceparent`` and a space.
+    """
+    new = (
+        trace_context
+        if isinstance(trace_context, ColumnElement)
+        else literal(trace_context, String)
+    )
+    previous = func.coalesce(func.substr(runs.c.trace_context, 1, TRACEPARENT_LENGTH), "")
+    return new + literal(" ", String) + previous
 
 
 def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
@@ -133,8 +163,8 @@ def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
 def claim_upsert(insert: InsertBuilder) -> Any:
     """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` with bind parameters.
 
-    Returns the new attempt, expiry and attempt ceiling; no row when the run
-    was not claimable. Its parameters come from :func:`claim_params`.
+    Returns the new attempt, expiry, attempt ceiling and trace context; no row
+    when the run was not claimable. Its parameters come from :func:`claim_params`.
     """
     lease_ms = bindparam("p_lease_ms", type_=Integer)
     max_attempts = bindparam("p_max_attempts", type_=Integer)
@@ -150,6 +180,7 @@ def claim_upsert(insert: InsertBuilder) -> Any:
         "task_id": bindparam("p_task_id", type_=String),
         "payload": bindparam("p_payload", type_=PayloadType),
         "payload_content_type": bindparam("p_payload_content_type", type_=String),
+        "trace_context": bindparam("p_trace_context", type_=String),
     }
     return (
         insert(runs)
@@ -159,7 +190,9 @@ def claim_upsert(insert: InsertBuilder) -> Any:
             set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
             where=claimable(max_attempts),
         )
-        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts)
+        .returning(
+            runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts, runs.c.trace_context
+        )
     )
 
 
@@ -175,6 +208,7 @@ def claim_params(values: dict[str, Any], lease_ms: int, max_attempts: int) -> di
         "p_task_id": values["task_id"],
         "p_payload": values["payload"],
         "p_payload_content_type": values["payload_content_type"],
+        "p_trace_context": values["trace_context"],
     }
 
 
