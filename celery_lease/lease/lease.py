@@ -505,12 +505,12 @@ class Lease:
             f"state={self._state.value}>"
         )
 
-    # -- state changes (under the lock) ------------------------------------------
-
     def _span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
         """The ``celery_lease.<name>`` span of an operation (nothing without tracing)."""
         trace = self.trace
         return _NO_SPAN if trace is None else trace.span(name, outcome)
+
+    # -- state changes (under the lock) ------------------------------------------
 
     def _publish(self, transition: Transition | None) -> None:
         if transition is not None:
