@@ -196,7 +196,6 @@ class LeaseTracing:
         from opentelemetry import trace
 
         self.tracer: Tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
-        self.provider = tracer_provider
         self._current_span = trace.get_current_span
         self._lock = threading.Lock()
         self._attempts: dict[tuple[str, int], AttemptTrace] = {}
