@@ -57,7 +57,7 @@ vpython -c '
 import importlib.metadata as md, importlib.util as iu
 import celery_lease
 assert "site-packages" in celery_lease.__file__, celery_lease.__file__
-for name in ("pytest", "pymysql", "prometheus_client", "django"):
+for name in ("pytest", "pymysql", "prometheus_client", "django", "opentelemetry"):
     assert iu.find_spec(name) is None, f"{name} is installed: not the extras alone"
 print("extras-check:", ", ".join(
     f"{d} {md.version(d)}" for d in ("celery-lease", "celery", "kombu", "redis", "psycopg")))'

@@ -5,6 +5,7 @@ worker it starts must run that task to SUCCESS: proof that the extras work alone
 """
 
 import os
+import sys
 
 from celery import Celery
 
@@ -25,4 +26,6 @@ app.conf.update(
 @app.task(base=LeasedTask, bind=True, lease_key=lambda n: n, lease_namespace="extras")
 def double(self, n):
     self.lease.check()
+    # Without celery-lease[otel] nothing of OpenTelemetry is imported, in the worker too.
+    assert not [m for m in sys.modules if m.split(".")[0] == "opentelemetry"]
     return n * 2

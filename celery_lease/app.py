@@ -9,6 +9,7 @@ from .metrics import enable_from_app
 from .runtime import app_runtime
 from .sanitize import protect_loggers
 from .sweeper import BEAT_ENTRY_NAME, SWEEP_TASK_NAME
+from .tracing import enable_from_app as trace_from_app
 
 #: The worker bootstep, by name: Celery imports ``celery_lease.worker`` when a
 #: worker starts. (Imported here it would close a circle: worker -> task -> app.)
@@ -26,7 +27,7 @@ def _add_beat_entry(app: Celery) -> None:
 
 
 def install(app: Celery) -> None:
-    """Connect celery-lease to ``app``: the worker bootstep, the beat entry, metrics.
+    """Connect celery-lease to ``app``: the worker bootstep, the beat entry, metrics, tracing.
 
     Idempotent. ``LeasedTask`` calls it when it is bound to an app, so
     ``base=LeasedTask`` alone is enough.
@@ -37,6 +38,8 @@ def install(app: Celery) -> None:
         return
     # lease_metrics = True; a clear ImportError without the extra
     enable_from_app(app)
+    # lease_tracing: on when opentelemetry-api is installed (imported only then)
+    trace_from_app(app)
     runtime.mark_installed()
     app.steps["worker"].add(BOOTSTEP)  # it connects the signal receivers
     _add_beat_entry(app)

@@ -68,7 +68,7 @@ SETTING_NAMES = (
 
 
 #: Every ``lease_*`` key celery-lease reads from ``app.conf``; any other is a typo.
-APP_SETTING_NAMES = (*SETTING_NAMES, "lease_retention", "lease_metrics")
+APP_SETTING_NAMES = (*SETTING_NAMES, "lease_retention", "lease_metrics", "lease_tracing")
 
 #: Broker transports that live on this host only; any other broker spans hosts.
 LOCAL_BROKER_SCHEMES = frozenset({"memory", "filesystem", "sqla+sqlite", "sqlite"})

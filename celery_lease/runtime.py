@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import weakref
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from celery import Celery
@@ -26,7 +27,7 @@ from kombu.serialization import prepare_accept_content
 from .config import LeaseConfig
 from .events import EventBus
 from .lease.heartbeat import Heartbeat
-from .store import LeaseStore
+from .store import ClaimResult, LeaseStore
 
 _runtime_lock = threading.Lock()
 
@@ -40,6 +41,37 @@ class Subscriber(Protocol):
 
     def unsubscribe(self, events: EventBus) -> None:
         """Stop listening on ``events``."""
+        ...
+
+
+class Traced(Protocol):
+    """One delivery's spans (:class:`celery_lease.tracing.AttemptTrace`)."""
+
+    #: The claim span's W3C ``traceparent``, stored with the run by the claim.
+    traceparent: str
+
+    def claimed(self, claim: ClaimResult) -> None:
+        """End the claim span with the claim's outcome."""
+        ...
+
+    def claim_failed(self, error: BaseException) -> None:
+        """End the claim span: the claim raised ``error``."""
+        ...
+
+    def span(self, name: str, outcome: str) -> AbstractContextManager[None]:
+        """A ``celery_lease.<name>`` span around a block of the lease's."""
+        ...
+
+    def end(self) -> None:
+        """The delivery is over."""
+        ...
+
+
+class Tracing(Subscriber, Protocol):
+    """What traces an app's runs (:class:`celery_lease.tracing.LeaseTracing`)."""
+
+    def begin(self, task_name: str, run_id: str, owner: str) -> Traced | None:
+        """Start a delivery's claim span; None when nothing records."""
         ...
 
 
@@ -62,6 +94,8 @@ class AppRuntime:
         #: The app's lease events: its tasks, leases, heartbeats and sweeps emit here.
         self.events = EventBus()
         self._metrics: Subscriber | None = None
+        #: Spans of ``lease_tracing`` (``celery-lease[otel]``), when on.
+        self.tracing: Tracing | None = None
         self.installed = False
 
     @property
@@ -77,6 +111,15 @@ class AppRuntime:
         self._metrics = metrics
         if metrics is not None:
             metrics.subscribe(self.events)
+
+    def trace_with(self, tracing: Tracing | None) -> None:
+        """Trace this app's runs with ``tracing`` (None: stop); the previous one stops."""
+        previous = self.tracing
+        if previous is not None and previous is not tracing:
+            previous.unsubscribe(self.events)
+        self.tracing = tracing
+        if tracing is not None:
+            tracing.subscribe(self.events)
 
     def mark_installed(self) -> None:
         """:func:`celery_lease.install` has run for this app (until :meth:`reset`)."""
@@ -100,11 +143,13 @@ class AppRuntime:
     def reset(self) -> None:
         """Stop the heartbeats, close the stores, forget the settings, drop the listeners.
 
-        For tests. The metrics stop counting too; :func:`celery_lease.install`
-        (or :func:`celery_lease.metrics.enable`) turns them on again.
+        For tests. The metrics stop counting and tracing stops too;
+        :func:`celery_lease.install` (or :func:`celery_lease.metrics.enable`,
+        :func:`celery_lease.tracing.enable`) turns them on again.
         """
         self.events.clear()
         self._metrics = None
+        self.tracing = None
         self.installed = False
         databases = list(self.databases.values())
         self.databases.clear()

@@ -52,6 +52,12 @@ MAX_LEASE_MS = 2**31 - 1
 #: ``max_allowed_packet`` (16 MiB on MariaDB), whose breach looks like a disconnect.
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
+#: Bound of ``trace_context``: an attempt's W3C ``traceparent`` (55 characters), a
+#: space, and the ``traceparent`` of the attempt it took the run over from.
+TRACE_CONTEXT_LENGTH = 512
+#: Length of a W3C ``traceparent`` (version 00): the most kept of each attempt.
+TRACEPARENT_LENGTH = 55
+
 #: The stored message's type: MySQL's plain ``BLOB`` stops at 64 KiB.
 PayloadType = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
@@ -106,6 +112,9 @@ runs = Table(
     Column("progress_total", ProgressType, nullable=True),
     Column("progress_note", String(MAX_PROGRESS_NOTE), nullable=True),
     Column("progress_at", BigInteger, nullable=True),
+    # The claiming attempt's W3C traceparent, then the one of the attempt it took
+    # over from (celery-lease[otel]); NULL when the claimer traced nothing.
+    Column("trace_context", String(TRACE_CONTEXT_LENGTH), nullable=True),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     Index("ix_celery_lease_runs_status_expires", "status", "lease_expires_at"),
@@ -174,6 +183,7 @@ def check_claim_inputs(
     concurrency_key: str | None,
     payload: bytes | None,
     task_id: str | None = None,
+    trace_context: str | None = None,
 ) -> None:
     """Raise :class:`LeaseInputError` for any claim value its column cannot hold."""
     check_run_id(run_id)
@@ -183,6 +193,10 @@ def check_claim_inputs(
         check_run_id(concurrency_key, "concurrency_key")
     if task_id is not None:
         check_run_id(task_id, "task_id")
+    if trace_context is not None and len(trace_context) > TRACEPARENT_LENGTH:
+        raise LeaseInputError(
+            "trace_context", f"a traceparent has at most {TRACEPARENT_LENGTH} characters"
+        )
     if not 1 <= lease_ms <= MAX_LEASE_MS:
         raise LeaseInputError("lease_ms", f"{lease_ms} is outside 1..{MAX_LEASE_MS}")
     if not 1 <= max_attempts <= MAX_LEASE_MS:

@@ -76,6 +76,32 @@ if os.environ.get("CL_RESULT_BACKEND"):
 if os.environ.get("CL_CONF"):
     # Extra settings as JSON, e.g. {"lease_retry_backoff": 0.2}.
     app.conf.update(json.loads(os.environ["CL_CONF"]))
+if os.environ.get("CL_OTEL_DIR"):
+    # Tracing as a user sets it up with prefork: the SDK and the Celery
+    # instrumentation in each pool child. Every finished span is written as one
+    # JSON line to a file of that process's own (tests/test_tracing.py reads them).
+    from celery import signals
+
+    @signals.worker_process_init.connect(weak=False)
+    def _trace_to_file(**kwargs: Any) -> None:
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+        out = open(  # noqa: SIM115 - the process's lifetime
+            os.path.join(os.environ["CL_OTEL_DIR"], f"{os.getpid()}.jsonl"), "a"
+        )
+        provider = TracerProvider()
+        provider.add_span_processor(
+            SimpleSpanProcessor(
+                ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(None) + "\n")
+            )
+        )
+        trace.set_tracer_provider(provider)
+        CeleryInstrumentor().instrument()
+
+
 if os.environ.get("CL_FS_DIR"):
     folder = os.environ["CL_FS_DIR"]
     # kombu's own transport can hand a consumer a half-written message file.

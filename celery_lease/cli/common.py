@@ -63,6 +63,7 @@ RECORD_FIELDS = (
     "payload_content_type",
     "created_at",
     "updated_at",
+    "trace_context",
 )
 TIME_FIELDS = frozenset(
     {

@@ -109,11 +109,16 @@ class Heartbeat:
             result = self.store.heartbeat((lease.key for lease in leases), progress)
         except Exception as exc:
             self._failing = True
-            logger.warning(
+            error = describe_exception(exc)
+            self.events.emit(
+                "heartbeat_error",
+                None,
                 "celery-lease heartbeat failed for %d lease(s): %s",
                 len(leases),
-                describe_exception(exc),
-                extra={"lease_event": "heartbeat_error", "run_id": None},
+                error,
+                level=logging.WARNING,
+                error=error,
+                keys=[lease.key for lease in leases],
             )
             now = self._clock()
             for lease in leases:

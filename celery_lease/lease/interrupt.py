@@ -57,6 +57,8 @@ class Interrupter:
         self._sent = False  # raised in the thread, maybe not delivered yet
         self._due = False  # owed, withheld until it is safe
         self._quiet_until = float("-inf")
+        #: How many interrupts were raised in the body thread so far.
+        self.sent = 0
 
     @property
     def thread_id(self) -> int | None:
@@ -128,6 +130,7 @@ class Interrupter:
         count = _set_async_exc(tid, LeaseInterrupt)
         if count == 1:
             self._sent = True
+            self.sent += 1
         elif count == 0:
             self._thread_id = None
             logger.warning(

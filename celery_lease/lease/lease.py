@@ -22,7 +22,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, event
 
@@ -51,6 +51,21 @@ CLOCK_RATE_SLACK = 0.001
 _INTERRUPTING = (LeaseState.LOST, LeaseState.CANCEL_REQUESTED)
 #: The states in which the local deadline can still make the lease lost.
 _DEADLINE_APPLIES = (LeaseState.HELD, LeaseState.CANCEL_REQUESTED)
+
+#: How the reason of a loss found by the local deadline begins.
+DEADLINE_PASSED = "local deadline passed"
+
+#: What a lease without tracing opens around its operations: nothing.
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+class LeaseSpans(Protocol):
+    """What traces a lease's operations (:class:`celery_lease.tracing.AttemptTrace`)."""
+
+    def span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
+        """A ``celery_lease.<name>`` span around the block, ``outcome`` if it returns."""
+        ...
+
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_lease_current", default=None
@@ -137,6 +152,7 @@ class Lease:
         events: where its transitions are published: its app's
             :class:`~celery_lease.events.EventBus` (given by the task), else
             :data:`~celery_lease.events.LOG_ONLY`.
+        trace: the spans of its operations (``celery-lease[otel]``), or None.
     """
 
     def __init__(
@@ -156,10 +172,12 @@ class Lease:
         events: EventLog = LOG_ONLY,
         checkpoint: str | None = None,
         task_name: str = "",
+        trace: LeaseSpans | None = None,
     ) -> None:
         self.store = store
         self.task_name = task_name
         self.events = events
+        self.trace = trace
         self.run_id = run_id
         self.owner = owner
         self.attempt = attempt
@@ -269,7 +287,7 @@ class Lease:
                 "recorded succeeded, so there is nothing to resume; pass checkpoint= to that "
                 "fence() instead"
             )
-        with self.uninterruptible():
+        with self.uninterruptible(), self._span("checkpoint", "saved"):
             self.check()
             try:
                 self.store.checkpoint(self.run_id, self.owner, self.attempt, text)
@@ -361,7 +379,7 @@ class Lease:
                 lease's, which still holds the lease (the lease stays held).
         """
         text = None if checkpoint is _NO_CHECKPOINT else encode_checkpoint(checkpoint)
-        with self.uninterruptible():
+        with self.uninterruptible(), self._span("fence", "completing" if complete else "held"):
             if self._state is not LeaseState.COMPLETING:
                 self._detach_hooks()
             self.check()
@@ -404,6 +422,10 @@ class Lease:
             LeaseDatabaseError: the database did not answer; the lease is as
                 before and the call may be repeated.
         """
+        with self._span("complete", "succeeded"):
+            self._complete(result)
+
+    def _complete(self, result: tuple[bytes, str] | None) -> None:
         transition = None
         with self._lock:
             if self._state is LeaseState.COMPLETED and self._verified:
@@ -526,7 +548,7 @@ class Lease:
         with self._lock:
             if self._state in _DEADLINE_APPLIES and now >= self._deadline:
                 transition = self._lose_locked(
-                    f"local deadline passed: no renewal confirmed within "
+                    f"{DEADLINE_PASSED}: no renewal confirmed within "
                     f"{self.lease_seconds - self.margin:.3g}s (heartbeat stalled or "
                     "database unreachable)"
                 )
@@ -601,6 +623,11 @@ class Lease:
             f"state={self._state.value}>"
         )
 
+    def _span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
+        """The ``celery_lease.<name>`` span of an operation (nothing without tracing)."""
+        trace = self.trace
+        return _NO_SPAN if trace is None else trace.span(name, outcome)
+
     # -- state changes (under the lock) ------------------------------------------
 
     def _publish(self, transition: Transition | None) -> None:
@@ -627,9 +654,22 @@ class Lease:
             self._deliver_due_locked()
 
     def _deliver_due_locked(self, now: float | None = None) -> None:
-        withheld = self._interrupter.deliver(self._state in _INTERRUPTING, now)
+        interrupter = self._interrupter
+        sent = interrupter.sent
+        withheld = interrupter.deliver(self._state in _INTERRUPTING, now)
         if withheld and self._watchdog is not None:
             self._watchdog.nudge()  # it delivers once the quiet period ends
+        elif interrupter.sent > sent:
+            self.events.emit(
+                "interrupt_sent",
+                self.run_id,
+                "run %s attempt %d: interrupt raised in the body (%s)",
+                self.run_id,
+                self.attempt,
+                self._state.value,
+                level=logging.DEBUG,
+                attempt=self.attempt,
+            )
 
     # -- the fenced completion -----------------------------------------------------
 

@@ -30,7 +30,7 @@ from ..events import EventBus
 from ..lease.interrupt import LeaseInterrupt
 from ..lease.lease import Lease, bind_current
 from ..owner import new_owner
-from ..runtime import Runtime, app_runtime, runtime_for, shutting_down, worker_id
+from ..runtime import Runtime, Traced, app_runtime, runtime_for, shutting_down, worker_id
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, FAILED, SUCCEEDED
 from ..store import ClaimResult
@@ -90,6 +90,7 @@ class Attempt:
         kwargs: the body's keyword arguments.
         claim: the claim's result, once claimed.
         lease: the lease the body runs under, once the claim took the run.
+        trace: the delivery's spans (``celery-lease[otel]``), or None.
     """
 
     def __init__(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -101,6 +102,7 @@ class Attempt:
         self.run_id = runids.run_id_of(task, self.request, args, kwargs)
         self.claim: ClaimResult | None = None
         self.lease: Lease | None = None
+        self.trace: Traced | None = None
         # Worked out on first use (cheaper than functools.cached_property's lock):
         # runtime_for may raise, and the claim's error handling decides what then.
         self._runtime: Runtime | None = None
@@ -150,23 +152,34 @@ class Attempt:
             )
             republish.reschedule(self, 0.0, LeaseBusy(run_id, 0.0, "worker shutting down"))
         config = self.config
+        app_state = app_runtime(task.app)
+        tracing = app_state.tracing
         try:
             runtime = self.runtime
+            owner = new_owner(request.hostname, worker_id(task.app))
+            if tracing is not None:
+                self.trace = tracing.begin(task.name, run_id, owner)
+            trace = self.trace
             started_at = time.monotonic()  # before the claim is sent: the lease's local deadline
             claim = runtime.store.claim(
                 run_id,
-                new_owner(request.hostname, worker_id(task.app)),
+                owner,
                 task_name=task.name,
                 lease_ms=config.lease_ms,
                 max_attempts=config.max_attempts,
                 concurrency_key=self.concurrency_key,
                 max_concurrency=config.max_concurrency,
                 task_id=request.id,
+                trace_context=None if trace is None else trace.traceparent,
                 **runids.payload(self),
             )
         except (LeaseDatabaseError, LeaseInputError) as exc:
+            if self.trace is not None:
+                self.trace.claim_failed(exc)
             # Fail closed: without a lease the body must not run.
             republish.on_claim_error(self, exc)
+        if trace is not None:
+            trace.claimed(claim)
         self.claim = claim
         if claim.outcome == "finished":
             if request.called_directly:
@@ -190,11 +203,12 @@ class Attempt:
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
             started_at=started_at,
-            interrupt=config.interrupt and not app_runtime(task.app).green_pool,
+            interrupt=config.interrupt and not app_state.green_pool,
             max_attempts=claim.max_attempts,
             events=runtime.events,
             checkpoint=claim.checkpoint,
             task_name=task.name,
+            trace=trace,
         )
         return self._run_body(self.lease)
 
@@ -208,6 +222,8 @@ class Attempt:
                 return self._body_and_outcome(lease)
             finally:
                 runtime.heartbeat.unregister(lease)
+                if self.trace is not None:
+                    self.trace.end()
 
     def _body_and_outcome(self, lease: Lease) -> Any:
         try:

@@ -44,8 +44,9 @@ from .bounds import WaitBounds
 from .driver import DriverStatement
 from .sql import claim_params, claim_upsert, claimable, insert_values, takeover_values
 
-#: What a claim returns: the new attempt, its expiry, the attempt ceiling, the checkpoint.
-ClaimRow = tuple[int, int, int, str | None]
+#: What a claim returns: the new attempt, its expiry, the attempt ceiling, the checkpoint
+#: and the trace context.
+ClaimRow = tuple[int, int, int, str | None, str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,8 @@ class UpsertClaim:
         conn: Connection | None = None,
     ) -> ClaimRow | None:
         """Insert or take over the run (in ``conn``'s transaction if given); the new
-        attempt, expiry, attempt ceiling and checkpoint, or None when it was not claimable."""
+        attempt, expiry, attempt ceiling, checkpoint and trace context, or None when it was
+        not claimable."""
         params = claim_params(values, lease_ms, max_attempts)
         if conn is not None:
             row = conn.execute(self.statement, params).first()
@@ -100,7 +102,7 @@ class UpsertClaim:
         else:
             with self._auto.connect() as auto:
                 row = auto.execute(self.statement, params).first()
-        return None if row is None else (int(row[0]), int(row[1]), int(row[2]), row[3])
+        return None if row is None else (int(row[0]), int(row[1]), int(row[2]), row[3], row[4])
 
 
 class LockedClaim:
@@ -141,13 +143,17 @@ class LockedClaim:
             if changed != 1:
                 return None
             attempt = int(current[0]) + 1
-        # The read that returns the expiry also returns the checkpoint: no extra statement.
-        expires, ceiling, checkpoint = conn.execute(
-            select(runs.c.lease_expires_at, runs.c.max_attempts, runs.c.checkpoint).where(
-                runs.c.id == values["id"]
-            )
+        # The read that returns the expiry also returns the checkpoint and the trace
+        # context: no extra statement.
+        expires, ceiling, checkpoint, trace_context = conn.execute(
+            select(
+                runs.c.lease_expires_at,
+                runs.c.max_attempts,
+                runs.c.checkpoint,
+                runs.c.trace_context,
+            ).where(runs.c.id == values["id"])
         ).one()
-        return attempt, int(expires), int(ceiling), checkpoint
+        return attempt, int(expires), int(ceiling), checkpoint, trace_context
 
 
 class Database:

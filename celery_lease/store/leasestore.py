@@ -255,6 +255,7 @@ class LeaseStore:
         payload: bytes | None = None,
         payload_content_type: str | None = None,
         task_id: str | None = None,
+        trace_context: str | None = None,
     ) -> ClaimResult:
         """Insert the run or take it over, atomically; ``attempt`` grows by one per claim.
 
@@ -265,6 +266,9 @@ class LeaseStore:
         ``concurrency``) while that many live leases share ``concurrency_key``;
         the count and the claim happen under one lock on the key. ``task_id``
         is the claiming delivery's Celery task id, recorded as the run's own.
+        ``trace_context`` is the claiming attempt's W3C ``traceparent``: a
+        takeover keeps it with the first ``traceparent`` the row held (the
+        attempt it continues) in the same statement, and the result returns both.
         """
         check_claim_inputs(
             run_id=run_id,
@@ -275,6 +279,7 @@ class LeaseStore:
             concurrency_key=concurrency_key,
             payload=payload,
             task_id=task_id,
+            trace_context=trace_context,
         )
         values = {
             "id": run_id,
@@ -288,6 +293,7 @@ class LeaseStore:
             "task_id": task_id,
             "payload": payload,
             "payload_content_type": payload_content_type,
+            "trace_context": trace_context,
         }
         limit = max_concurrency if concurrency_key is not None else None
         for tries in range(1, CLAIM_CONTENTION_TRIES + 1):
@@ -329,7 +335,14 @@ class LeaseStore:
             row = self._claim_path.claim(values, lease_ms, max_attempts)
         if row is not None:
             return ClaimResult(
-                "claimed", run_id, owner, row[0], RUNNING, max_attempts=row[2], checkpoint=row[3]
+                "claimed",
+                run_id,
+                owner,
+                row[0],
+                RUNNING,
+                max_attempts=row[2],
+                checkpoint=row[3],
+                trace_context=row[4],
             )
         return self._claim_refused(run_id, owner, max_attempts)
 
@@ -393,6 +406,8 @@ class LeaseStore:
             "status": QUEUED,
             "lease_owner": None,
             "attempt": 0,
+            # No attempt ran: the trace context the row keeps is a claimer's.
+            "trace_context": None,
             "available_at": now + wait_ms,
             "created_at": now,
             "updated_at": now,

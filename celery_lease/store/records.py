@@ -64,6 +64,10 @@ class ClaimResult:
     #: For ``claimed``: the run's latest checkpoint (JSON text), read by the claim
     #: statement itself; None on a fresh run.
     checkpoint: str | None = None
+    #: For ``claimed``: the row's ``trace_context`` as the claim wrote it: the
+    #: claimer's ``traceparent``, then that of the attempt it took over from (None
+    #: when the claimer traces nothing).
+    trace_context: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,9 @@ class RunRecord:
     progress_total: float | None = None
     progress_note: str | None = None
     progress_at: int | None = None
+    #: The last claimer's W3C ``traceparent``, then that of the attempt it took
+    #: over from (``celery-lease[otel]``); None when it traced nothing.
+    trace_context: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -19,10 +19,12 @@ from sqlalchemy import (
     bindparam,
     case,
     func,
+    literal,
     or_,
     select,
     update,
 )
+from sqlalchemy.sql.elements import ColumnElement
 
 from ..schema import (
     MAX_PROGRESS_NOTE,
@@ -31,6 +33,7 @@ from ..schema import (
     RUNNING,
     SUCCEEDED,
     TERMINAL_STATUSES,
+    TRACEPARENT_LENGTH,
     PayloadType,
     ProgressType,
     db_now_ms,
@@ -173,7 +176,23 @@ def takeover_values(
         "started_at": func.coalesce(runs.c.started_at, now),
         "finished_at": None,
         "updated_at": now,
+        "trace_context": continued_trace(values["trace_context"]),
     }
+
+
+def continued_trace(trace_context: Any) -> Any:
+    """The ``trace_context`` a takeover writes: the claimer's ``traceparent``, a space,
+    and the first ``traceparent`` the row held (the attempt taken over from).
+
+    NULL when the claimer traces nothing. Bounded: two ``traceparent`` and a space.
+    """
+    new = (
+        trace_context
+        if isinstance(trace_context, ColumnElement)
+        else literal(trace_context, String)
+    )
+    previous = func.coalesce(func.substr(runs.c.trace_context, 1, TRACEPARENT_LENGTH), "")
+    return new + literal(" ", String) + previous
 
 
 def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
@@ -193,9 +212,9 @@ def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
 def claim_upsert(insert: InsertBuilder) -> Any:
     """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` with bind parameters.
 
-    Returns the new attempt, expiry, attempt ceiling and the run's checkpoint
-    (kept by a takeover, NULL on an insert); no row when the run was not claimable.
-    Its parameters come from :func:`claim_params`.
+    Returns the new attempt, expiry, attempt ceiling, the run's checkpoint (kept by a
+    takeover, NULL on an insert) and trace context; no row when the run was not
+    claimable. Its parameters come from :func:`claim_params`.
     """
     lease_ms = bindparam("p_lease_ms", type_=Integer)
     max_attempts = bindparam("p_max_attempts", type_=Integer)
@@ -211,6 +230,7 @@ def claim_upsert(insert: InsertBuilder) -> Any:
         "task_id": bindparam("p_task_id", type_=String),
         "payload": bindparam("p_payload", type_=PayloadType),
         "payload_content_type": bindparam("p_payload_content_type", type_=String),
+        "trace_context": bindparam("p_trace_context", type_=String),
     }
     return (
         insert(runs)
@@ -220,7 +240,13 @@ def claim_upsert(insert: InsertBuilder) -> Any:
             set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
             where=claimable(max_attempts),
         )
-        .returning(runs.c.attempt, runs.c.lease_expires_at, runs.c.max_attempts, runs.c.checkpoint)
+        .returning(
+            runs.c.attempt,
+            runs.c.lease_expires_at,
+            runs.c.max_attempts,
+            runs.c.checkpoint,
+            runs.c.trace_context,
+        )
     )
 
 
@@ -236,6 +262,7 @@ def claim_params(values: dict[str, Any], lease_ms: int, max_attempts: int) -> di
         "p_task_id": values["task_id"],
         "p_payload": values["payload"],
         "p_payload_content_type": values["payload_content_type"],
+        "p_trace_context": values["trace_context"],
     }
 
 
