@@ -208,7 +208,7 @@ def test_events_from_the_heartbeat_and_watchdog_threads(
     threads, are events of the task's span (not of whatever span those threads hold)."""
     runtime = runtime_for(app, app_config(app))
 
-    def unreachable(keys: Any) -> Any:
+    def unreachable(*args: Any) -> Any:
         raise LeaseDatabaseError("connection refused")
 
     monkeypatch.setattr(runtime.store, "heartbeat", unreachable)
