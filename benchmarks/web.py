@@ -8,7 +8,8 @@ temporary directory.
 The table is made by ``celery lease migrate`` and filled in one ``INSERT .. SELECT``:
 ``--rows`` runs (default 1,000,000) over 10 task names, created over the last 14 days
 (90 % succeeded, 6 % failed, 2 % cancelled, the rest queued, retrying or running with a
-live lease). PostgreSQL then gets ``VACUUM ANALYZE`` (what autovacuum does after a bulk
+live lease); an ended run's ``lease_expires_at`` and ``finished_at`` are its end, as the
+store writes them. PostgreSQL then gets ``VACUUM ANALYZE`` (what autovacuum does after a bulk
 load); SQLite gets nothing.
 
 Each page is requested ``--requests`` times (default 50) through Starlette's TestClient
@@ -68,7 +69,7 @@ def _select(series: str, n: int, now: int) -> str:
     task = "'bench.task' || (g % 10)"
     return (
         f"SELECT {task} || ':run-' || g, {task}, {status}, 'host:1:' || g, "
-        f"{created} + 600000000, 30000, {created}, 1, 5, {created}, NULL, {created}, "
+        f"{created} + 1000, 30000, {created}, 1, 5, {created}, NULL, {created}, "
         f"{created} + 1000, CASE WHEN g % 100 >= 90 AND g % 100 < 96 THEN "
         "'ValueError: boom' END, CASE WHEN g % 100 >= 90 AND g % 100 < 96 THEN "
         "'task_error' WHEN g % 100 >= 96 AND g % 100 < 98 THEN 'cancelled' END, "

@@ -244,11 +244,14 @@ def test_runs_page_filters_and_links_the_next_page(lease_db: tuple[str, Any]) ->
 
 
 @pytest.mark.timeout(60)
-def test_overview_counts(lease_db: tuple[str, Any]) -> None:
+def test_overview_counts(db_url: str) -> None:
     """Counts per status and per task (live, and ended in the last hour), the oldest running
-    lease, and the leases that expired and were taken over in the last hour."""
-    url, engine = lease_db
+    lease, and the leases that expired and were taken over in the last hour; on every
+    database."""
+    url = db_url
     store = LeaseStore.from_url(url)
+    store.create_schema()
+    engine = plain_engine(url)
     now = store.now_ms()
     add_run(
         engine,
@@ -314,6 +317,32 @@ def test_overview_counts(lease_db: tuple[str, Any]) -> None:
     assert data["oldest"]["id"] == "a" and data["taken_over"] == 1
     assert (data["live_leases"], data["expired_leases"]) == (2, 1)
     store.dispose()
+    engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_mounted_under_a_prefix(lease_db: tuple[str, Any]) -> None:
+    """Mounted at /lease in another ASGI app (Starlette's Mount, as FastAPI's mount and the
+    Django recipe use): links, assets, the form and the CSRF cookie all stay under it."""
+    from starlette.routing import Mount, Router
+    from starlette.testclient import TestClient
+
+    url, engine = lease_db
+    add_run(engine, "r1")
+    view = create_app(celery_app(url), token=TOKEN)
+    c = TestClient(Router(routes=[Mount("/lease", app=view)]))
+    page = c.get("/lease/runs")
+    assert page.status_code == 200
+    assert 'href="/lease/run?id=r1"' in page.text and 'src="/lease/static/app.js"' in page.text
+    assert "Path=/lease" in page.headers["set-cookie"]
+    assert c.get("/lease/static/app.js").status_code == 200
+    confirm = c.get("/lease/confirm?action=cancel&id=r1")
+    assert 'action="/lease/action"' in confirm.text
+    done = c.post(
+        "/lease/action",
+        data={"csrf": csrf_of(confirm), "action": "cancel", "id": "r1", "token": TOKEN},
+    )
+    assert done.status_code == 200 and "run r1 is cancelled" in done.text
 
 
 # -- writes ------------------------------------------------------------------------------

@@ -1349,8 +1349,10 @@ class LeaseStore:
 
     @_db_errors
     def task_counts(self, now: int, window_ms: int = 3_600_000) -> list[TaskCounts]:
-        """Per task: live runs per status, and runs that finished within ``window_ms``
-        before ``now`` per terminal status; read only, one statement, by task name.
+        """Per task: live runs per status, runs that finished within ``window_ms`` before
+        ``now`` per terminal status, running runs whose lease has expired, and runs whose
+        lease expired (``failure_code = 'lease_expired'``) updated within the window; read
+        only, one statement, by task name.
 
         ``now`` is the database clock (:meth:`now_ms`) passed as a value, so the
         window is an index bound: only live rows and the window's finished rows
@@ -1358,8 +1360,15 @@ class LeaseStore:
         """
         since = now - window_ms
         live = (schema.QUEUED, schema.RUNNING, schema.RETRYING)
+        expired = and_(runs.c.status == schema.RUNNING, runs.c.lease_expires_at <= now)
         stmt = (
-            select(runs.c.task_name, runs.c.status, func.count())
+            select(
+                runs.c.task_name,
+                runs.c.status,
+                func.count(),
+                func.sum(case((expired, 1), else_=0)),
+                func.sum(case((lease_expired_since(since).whereclause, 1), else_=0)),
+            )
             .where(
                 or_(
                     runs.c.status.in_(live),
@@ -1373,12 +1382,13 @@ class LeaseStore:
         )
         with self._auto.connect() as conn:
             rows = conn.execute(stmt).all()
-        tasks: dict[str, TaskCounts] = {}
-        for task_name, status, count in rows:
-            counts = tasks.setdefault(str(task_name), TaskCounts(str(task_name), {}, {}))
-            bucket = counts.live if status in live else counts.ended_recently
-            bucket[str(status)] = int(count)
-        return [tasks[name] for name in sorted(tasks)]
+        found: dict[str, list[Any]] = {}
+        for task_name, status, count, expired_leases, lease_expired in rows:
+            entry = found.setdefault(str(task_name), [{}, {}, 0, 0])
+            entry[0 if status in live else 1][str(status)] = int(count)
+            entry[2] += int(expired_leases or 0)
+            entry[3] += int(lease_expired or 0)
+        return [TaskCounts(name, *found[name]) for name in sorted(found)]
 
     @_db_errors
     def oldest_running(self) -> RunRecord | None:
@@ -1387,11 +1397,3 @@ class LeaseStore:
         with self._auto.connect() as conn:
             row = conn.execute(oldest_running()).mappings().first()
         return None if row is None else RunRecord(**dict(row))
-
-    @_db_errors
-    def lease_expired_count(self, since: int) -> int:
-        """Runs whose lease expired (taken over or ended by the sweeper, ``failure_code =
-        'lease_expired'``) last updated at or after ``since`` (epoch ms, DB clock); read
-        only, from live rows and those that failed since then."""
-        with self._auto.connect() as conn:
-            return int(conn.execute(lease_expired_since(since)).scalar_one())

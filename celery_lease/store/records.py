@@ -159,8 +159,16 @@ class RunPageQuery:
 
 @dataclasses.dataclass(frozen=True)
 class TaskCounts:
-    """One task's live runs per status and its runs that ended within a window."""
+    """What :meth:`LeaseStore.task_counts` counted for one task (DB clock, one window).
+
+    ``live``: runs per live status. ``ended_recently``: runs that finished within the
+    window, per terminal status. ``expired_leases``: running runs whose lease has
+    expired (awaiting takeover or the sweeper). ``lease_expired_recently``: runs whose
+    lease expired (``failure_code = 'lease_expired'``) updated within the window.
+    """
 
     task_name: str
     live: dict[str, int]
     ended_recently: dict[str, int]
+    expired_leases: int = 0
+    lease_expired_recently: int = 0

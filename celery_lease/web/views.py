@@ -245,29 +245,31 @@ def overview(store: LeaseStore) -> dict[str, Any]:
     cost this page nothing.
     """
     now = store.now_ms()
-    activity = store.activity(now, OVERVIEW_WINDOW_MS)
+    per_task = store.task_counts(now, OVERVIEW_WINDOW_MS)
     oldest = store.oldest_running()
     live = (QUEUED, RUNNING, RETRYING)
     ended = (SUCCEEDED, FAILED, CANCELLED)
-    tasks = [
-        {
-            "task": t.task_name,
-            "live": [t.live.get(s, 0) for s in live],
-            "ended": [t.ended_recently.get(s, 0) for s in ended],
-        }
-        for t in store.task_counts(now, OVERVIEW_WINDOW_MS)
-    ]
-    counts = {**activity.counts, **activity.ended_recently}
-    running = activity.counts[RUNNING]
+    counts = dict.fromkeys(STATUSES, 0)
+    for t in per_task:
+        for status, n in (*t.live.items(), *t.ended_recently.items()):
+            counts[status] += n
+    expired = sum(t.expired_leases for t in per_task)
     return {
         "now": now,
-        "statuses": [{"status": s, "count": counts.get(s, 0)} for s in STATUSES],
+        "statuses": [{"status": s, "count": counts[s]} for s in STATUSES],
         "live_columns": list(live),
         "ended_columns": list(ended),
-        "tasks": tasks,
-        "live_leases": running - activity.expired_leases,
-        "expired_leases": activity.expired_leases,
-        "taken_over": store.lease_expired_count(now - OVERVIEW_WINDOW_MS),
+        "tasks": [
+            {
+                "task": t.task_name,
+                "live": [t.live.get(s, 0) for s in live],
+                "ended": [t.ended_recently.get(s, 0) for s in ended],
+            }
+            for t in per_task
+        ],
+        "live_leases": counts[RUNNING] - expired,
+        "expired_leases": expired,
+        "taken_over": sum(t.lease_expired_recently for t in per_task),
         "oldest": None
         if oldest is None
         else {
