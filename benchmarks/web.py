@@ -38,10 +38,12 @@ from celery_lease.store import LeaseStore
 from celery_lease.web import create_app
 from tests.helpers import scratch_database
 
-from .common import check_loopback, pg_admin_url
+from .common import REPO, check_loopback, pg_admin_url
 from .retention import COLUMNS, SEQ_SCAN, captured, explain
 
 DAY_MS = 86_400_000
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- web:begin -->", "<!-- web:end -->"
 
 #: The pages measured: label -> path (the deep page is filled in from the data).
 PAGES = {
@@ -186,6 +188,13 @@ def report(results: list[dict[str, Any]], rows: int, requests: int) -> str:
         for label, statement, plan in r["plans"]:
             lines += [f"{label}:", "```", " ".join(statement.split()), "--", plan, "```", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def kept_section(page: str) -> str:
+    """The web view's section of an existing ``docs/benchmarks.md`` (run_all keeps it)."""
+    if BEGIN in page and END in page:
+        return page[page.index(BEGIN) : page.index(END) + len(END)]
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,6 +130,12 @@ def ago(ms: int | None, now: int) -> str:
     return f"in {format_duration(delta)}" if delta > 0 else f"{format_duration(delta)} ago"
 
 
+def past(ms: int | None, now: int) -> str:
+    """A moment that has happened, relative to ``now``: a row written after the page read
+    the database clock shows as ``0ms ago``, not in the future."""
+    return ago(None if ms is None else min(ms, now), now)
+
+
 def time_left(run: RunSummary | RunRecord, now: int) -> str:
     """A running lease's time left by the database clock, or how long ago it expired."""
     if run.status != RUNNING or run.lease_expires_at is None:
@@ -159,8 +165,8 @@ def run_row(run: RunSummary, now: int) -> dict[str, str]:
         "attempt": f"{run.attempt}/{run.max_attempts}",
         "owner": short_owner(run.lease_owner) if run.status == RUNNING else "-",
         "lease": time_left(run, now),
-        "created": ago(run.created_at, now),
-        "updated": ago(run.updated_at, now),
+        "created": past(run.created_at, now),
+        "updated": past(run.updated_at, now),
         "failure": run.failure_code or "",
     }
 
@@ -195,7 +201,7 @@ def size_text(data: bytes | None, what: str) -> str:
 
 def run_fields(run: RunRecord, now: int) -> list[Field]:
     """Every field a run's page shows, by the database clock; payload and result by size."""
-    heartbeat = "-" if run.heartbeat_at is None else ago(run.heartbeat_at, now)
+    heartbeat = past(run.heartbeat_at, now)
     fields = [
         Field("status", "status", status_text(run)),
         Field("task", "task", run.task_name),
@@ -211,12 +217,12 @@ def run_fields(run: RunRecord, now: int) -> list[Field]:
         Field("payload", "stored message", size_text(run.payload, "contents")),
         Field("result", "stored result", size_text(run.result, "contents")),
         Field("concurrency_key", "concurrency key", run.concurrency_key or "-"),
-        Field("cancel_requested", "cancel requested", ago(run.cancel_requested_at, now)),
+        Field("cancel_requested", "cancel requested", past(run.cancel_requested_at, now)),
         Field("requeues", "re-published by the sweeper", str(run.requeues)),
-        Field("created", "created", ago(run.created_at, now)),
-        Field("started", "started", ago(run.started_at, now)),
-        Field("finished", "finished", ago(run.finished_at, now)),
-        Field("updated", "updated", ago(run.updated_at, now)),
+        Field("created", "created", past(run.created_at, now)),
+        Field("started", "started", past(run.started_at, now)),
+        Field("finished", "finished", past(run.finished_at, now)),
+        Field("updated", "updated", past(run.updated_at, now)),
     ]
     return fields
 
