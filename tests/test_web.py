@@ -29,7 +29,8 @@ from celery_lease.store import LeaseStore, RunPageQuery
 from celery_lease.web import create_app
 from celery_lease.web.security import BindRefused, check_bind
 from tests.browser import WebServer, browser
-from tests.helpers import REPO, env_flag, plain_engine
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import REPO, env_flag, plain_engine, wait_for
 
 TOKEN = "s3cret-token-for-tests"
 EVIL_TASK = "shop.<script>alert('task')</script>"
@@ -663,3 +664,45 @@ def test_browser_requirement_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception):
         browser()
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(180)
+def test_browser_follows_a_real_worker_and_cancels_its_run(cluster: Cluster) -> None:
+    """With a real ``celery worker``: an open run page shows the run running under that
+    worker, the cancel made from the page (with the token) stops it within a heartbeat
+    and the page shows ``cancelled``; another run goes running -> succeeded; no reload."""
+    from selenium.webdriver.common.by import By
+
+    cluster.start("w1", conf={"lease_seconds": 3})
+    env = {**cluster.env, "CELERY_LEASE_WEB_TOKEN": TOKEN}
+    server = WebServer("tests.workerapp", env, cluster.tmp_path)
+    driver = browser()
+    try:
+        run_id = cluster.send("work", 60.0)
+        wait_for(lambda: cluster.status(run_id) == "running", 30, what="the run to start")
+        driver.get(f"{server.url}/run?id={run_id}")
+        owner = driver.find_element(By.CSS_SELECTOR, 'dd[data-field="owner"]').text
+        assert owner.startswith("w1@"), owner
+        driver.find_element(By.LINK_TEXT, "Cancel").click()
+        wait_text(driver, "h1", "Cancel run")
+        driver.find_element(By.NAME, "token").send_keys(TOKEN)
+        driver.find_element(By.ID, "confirm").click()
+        wait_text(driver, "#message", "cancel requested")
+        driver.find_element(By.LINK_TEXT, "back to the run").click()
+        wait_text(driver, "h1", "Run")
+        driver.execute_script("window.notReloaded = true")
+        wait_text(driver, 'dd[data-field="status"]', "cancelled", timeout=20)
+        assert driver.execute_script("return window.notReloaded") is True
+        assert cluster.effects(run_id, "commit") == []  # stopped before its fenced write
+
+        second = cluster.send("work", 3.0)
+        wait_for(lambda: cluster.status(second) == "running", 30, what="the second run")
+        driver.get(f"{server.url}/run?id={second}")
+        driver.execute_script("window.notReloaded = true")
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="status"]').text == "running"
+        wait_text(driver, 'dd[data-field="status"]', "succeeded", timeout=20)
+        assert driver.execute_script("return window.notReloaded") is True
+    finally:
+        driver.quit()
+        server.stop()
