@@ -29,7 +29,7 @@ from sqlalchemy import create_engine, text
 
 from tests.helpers import scratch_database
 
-from . import checkpoint, contention, retention, sql, takeover, throughput
+from . import checkpoint, contention, retention, sql, takeover, throughput, web
 from .common import (
     REPO,
     amqp_url,
@@ -183,6 +183,9 @@ def render(
         "",
         # Measured apart (python -m benchmarks.retention, a million rows): kept as it is.
         retention.kept_section(page),
+        "",
+        # Measured apart (python -m benchmarks.web, a million rows): kept as it is.
+        web.kept_section(page),
         "",
         # The CPU accounting (benchmarks.worker_cpu, benchmarks.hotpath): kept as it is.
         worker_cpu.kept_section(page),

@@ -68,7 +68,18 @@ SETTING_NAMES = (
 
 
 #: Every ``lease_*`` key celery-lease reads from ``app.conf``; any other is a typo.
-APP_SETTING_NAMES = (*SETTING_NAMES, "lease_retention", "lease_metrics", "lease_tracing")
+APP_SETTING_NAMES = (
+    *SETTING_NAMES,
+    "lease_retention",
+    "lease_metrics",
+    "lease_tracing",
+    "lease_web_token",
+)
+
+#: The environment variable that gives ``lease web`` its write token when the setting is unset.
+WEB_TOKEN_ENV = "CELERY_LEASE_WEB_TOKEN"
+#: The shortest write token ``lease web`` accepts: a guessable one is no credential.
+MIN_WEB_TOKEN_LENGTH = 16
 
 #: Broker transports that live on this host only; any other broker spans hosts.
 LOCAL_BROKER_SCHEMES = frozenset({"memory", "filesystem", "sqla+sqlite", "sqlite"})
@@ -342,6 +353,29 @@ def _database_url(value: Any) -> str:
     if backend not in DATABASES:
         raise ImproperlyConfigured(
             f"lease_database_url uses {backend!r}; supported: sqlite, postgresql, mysql"
+        )
+    return value
+
+
+def web_token(conf: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str | None:
+    """The web view's write token: ``lease_web_token``, else ``$CELERY_LEASE_WEB_TOKEN``;
+    None (read-only) when neither is set or either is empty.
+
+    Raises:
+        ImproperlyConfigured: the token is not a string, or shorter than 16 characters.
+    """
+    value = conf.get("lease_web_token")
+    name = "lease_web_token"
+    if value is None:
+        value, name = environ.get(WEB_TOKEN_ENV), WEB_TOKEN_ENV
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ImproperlyConfigured(f"{name} must be a string, got {type(value).__name__}")
+    if len(value) < MIN_WEB_TOKEN_LENGTH or value.strip() != value:
+        raise ImproperlyConfigured(
+            f"{name} must be at least {MIN_WEB_TOKEN_LENGTH} characters with no surrounding "
+            "spaces (e.g. python -c 'import secrets; print(secrets.token_urlsafe())')"
         )
     return value
 

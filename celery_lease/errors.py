@@ -210,3 +210,18 @@ class RunNotRerunnable(LeaseError):
 
     def __reduce__(self) -> tuple[type[RunNotRerunnable], tuple[str, str]]:
         return (type(self), (self.run_id, self.status))
+
+
+class ActionFailed(LeaseError):
+    """An operator's action on a run (``lease cancel``, ``rerun``, the web view's buttons)
+    was refused or could not be carried out; ``str()`` is the one line to show them."""
+
+    code = "action_failed"
+
+    def __init__(self, run_id: str, message: str) -> None:
+        self.run_id = run_id
+        self.message = " ".join(message.split())
+        super().__init__(self.message)
+
+    def __reduce__(self) -> tuple[type[ActionFailed], tuple[str, str]]:
+        return (type(self), (self.run_id, self.message))

@@ -122,6 +122,10 @@ runs = Table(
     # Retention: the sweeper and `lease purge` delete one status's oldest
     # finished rows in index order, never scanning the table.
     Index("ix_celery_lease_runs_status_finished", "status", "finished_at"),
+    # The web view's pages: newest first per status, and per task and status, read in
+    # index order with keyset bounds (never OFFSET, never a sort of the table).
+    Index("ix_celery_lease_runs_status_created", "status", "created_at", "id"),
+    Index("ix_celery_lease_runs_task_created", "task_name", "status", "created_at", "id"),
 )
 
 #: Largest stored result, in bytes: a bigger one is not kept (the result backend

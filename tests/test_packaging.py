@@ -50,6 +50,9 @@ def test_wheel_holds_celery_lease_alone(tmp_path: Path) -> None:
     assert "celery_lease/cli/__init__.py" in names
     assert "celery_lease/migrations/versions/0001_create_runs.py" in names
     assert "celery_lease/py.typed" in names
+    # The web view serves its own templates and assets (no CDN).
+    for asset in ("templates/base.html", "templates/runs.html", "static/app.js", "static/app.css"):
+        assert f"celery_lease/web/{asset}" in names
 
 
 #: Each extra of ours and the upstream extras it stands for: what the library it drives

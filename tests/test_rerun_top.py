@@ -19,7 +19,7 @@ import pytest
 
 from celery_lease.store import LeaseStore, RunNotFound, RunNotRerunnable, RunRecord
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, plain_engine, wait_for
 
 FAST = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0, "lease_max_attempts": 2}
 TWO_SETUPS = pytest.mark.parametrize(
@@ -375,7 +375,9 @@ def test_top_reads_index_ranges_not_the_table_on_postgresql(pg_url: str) -> None
 
     store = LeaseStore.from_url(pg_url)
     store.create_schema()
-    with store.engine.begin() as conn:
+    # A plain engine: the store's statements are bounded for lease traffic, not bulk loads.
+    bulk = plain_engine(pg_url)
+    with bulk.begin() as conn:
         conn.execute(
             text(
                 "INSERT INTO celery_lease_runs (id, task_name, status, lease_ms, attempt,"
@@ -387,6 +389,7 @@ def test_top_reads_index_ranges_not_the_table_on_postgresql(pg_url: str) -> None
             )
         )
         conn.execute(text("ANALYZE celery_lease_runs"))
+    bulk.dispose()
     seen: list[tuple[str, Any]] = []
 
     def record(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:

@@ -3,29 +3,22 @@
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 import click
 
-from ..config import LeaseConfig
-from ..run.outcome import record_outcome
-from ..sanitize import describe_exception
+from ..actions import cancel_run, rerun_run
 from ..schema import (
-    CANCELLED,
-    QUEUED,
-    RETRYING,
     RUNNING,
     STATUSES,
     SUCCEEDED,
 )
-from ..store import RunNotFound, RunNotRerunnable, RunRecord
+from ..store import RunNotFound, RunRecord
 from .common import (
     RECORD_FIELDS,
     TIME_FIELDS,
     WIDE_HINT,
     _echo_json,
-    _Failure,
     _open_store,
     _operator_errors,
     _short_owner,
@@ -174,19 +167,7 @@ def _payload_text(record: RunRecord, size: int | None) -> str:
 @_operator_errors
 def cancel(ctx: click.Context, run_id: str) -> None:
     """Cancel a run: queued/retrying at once; a running run stops within one heartbeat."""
-    store = _open_store(ctx)
-    status = store.cancel(run_id)
-    if status == CANCELLED:
-        # The caller holding its task id sees REVOKED (a chord counts it, as Celery's revoke).
-        record_outcome(ctx.obj.app, store.get(run_id))
-        click.echo(f"run {run_id} is cancelled")
-    elif status == RUNNING:
-        click.echo(
-            f"run {run_id} is running: cancel requested; its worker stops it within one "
-            "heartbeat and it ends cancelled (or, if that worker is gone, at the next sweep)"
-        )
-    else:
-        raise _Failure(f"run {run_id} already {status}: nothing to cancel")
+    click.echo(cancel_run(ctx.obj.app, _open_store(ctx), run_id).message)
 
 
 # -- rerun ---------------------------------------------------------------------------
@@ -256,112 +237,16 @@ def rerun(
     so the body resumes from it (self.lease.last_checkpoint), unless
     --from-scratch.
     """
-    from ..requeue import requeue, rerun_headers
-    from ..run.task import LeasedTask
-
     args = _json_option(args_json, list, "--args")
     kwargs = _json_option(kwargs_json, dict, "--kwargs")
-    app = ctx.obj.app
-    store = _open_store(ctx)
-    record = store.get(run_id)
-    if record is None:
-        raise RunNotFound(run_id)
-    _refuse_rerun(run_id, record.status, force)
-    task = app.tasks.get(record.task_name)
-    leased = isinstance(task, LeasedTask)
-    publish = args is not None or kwargs is not None
-    task_id = record.task_id or record.id
-    if publish:
-        if not leased:
-            raise _Failure(
-                f"task {record.task_name!r} is not a LeasedTask of this app (-A): cannot "
-                "publish it with --args/--kwargs"
-            )
-        expected = _rerun_run_id(task, run_id, args or [], kwargs or {})
-        if expected != run_id:
-            raise _Failure(
-                f"these arguments make run {expected!r}, not {run_id!r}: the task's "
-                "lease_key must give the run's own key"
-            )
-    if attempts is None:
-        config = task.lease_config() if leased else LeaseConfig.from_app(app)
-        attempts = config.max_attempts
-    # A new task id, linked to the old one by a header: Celery's revoke list may hold
-    # the old one (a revoked or expired run), and would cancel the rerun at once.
-    new_task_id = str(uuid.uuid4()) if publish or record.payload is not None else None
-    try:
-        after = store.rerun(
-            run_id,
-            attempts=attempts,
-            force=force,
-            task_id=new_task_id,
-            from_scratch=from_scratch,
-        )
-    except RunNotRerunnable as exc:  # it changed between the read and the update
-        _refuse_rerun(run_id, exc.status, force)
-        raise
-    tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
-    if after.checkpoint is not None:
-        tries += ", resuming from its checkpoint"
-    elif from_scratch:
-        tries += ", from scratch"
-    try:
-        if publish:
-            headers = rerun_headers(run_id, task_id, None)
-            task.apply_async(args or [], kwargs or {}, task_id=new_task_id, headers=headers)
-        elif after.payload is not None:
-            requeue(app, after, rerun_of=task_id)
-    except Exception as exc:
-        raise _Failure(
-            f"run {run_id} is queued again ({tries}) but could not be published "
-            f"({describe_exception(exc)}): run `lease rerun` again once the broker is back "
-            f"(after `lease cancel {run_id}`), or `lease cancel {run_id}` to undo"
-        ) from None
-    if publish:
-        click.echo(
-            f"run {run_id} is queued again ({tries}) and published as task {new_task_id} "
-            f"(following {task_id}) with the given arguments"
-        )
-    elif after.payload is not None:
-        click.echo(
-            f"run {run_id} is queued again ({tries}) and published from its stored message "
-            f"as task {new_task_id} (following {task_id})"
-        )
-    else:
-        how = (
-            f"send {record.task_name} again with arguments that give this run's lease_key"
-            if leased and task.lease_config().key is not None
-            else f"send {record.task_name} again with task_id={task_id!r}"
-        )
-        click.echo(
-            f"run {run_id} is queued again ({tries}), but it has no stored message "
-            f"(a succeeded run keeps no task arguments), so nothing was published: {how}, or use "
-            f"`lease rerun` with --args/--kwargs next time (`lease cancel {run_id}` undoes this)"
-        )
-
-
-def _refuse_rerun(run_id: str, status: str, force: bool) -> None:
-    """Raise the refusal of ``lease rerun`` for a run in ``status``, if it is refused."""
-    if status in (QUEUED, RUNNING, RETRYING):
-        raise _Failure(
-            f"run {run_id} is {status}: it is live, nothing to rerun "
-            f"(`lease cancel {run_id}` first if it must start over)"
-        )
-    if status == SUCCEEDED and not force:
-        raise _Failure(f"run {run_id} succeeded: pass --force to run it again")
-
-
-def _rerun_run_id(task: Any, run_id: str, args: list[Any], kwargs: dict[str, Any]) -> str:
-    """The run id a rerun of ``run_id`` with these arguments claims: ``run_id`` itself for
-    a task without ``lease_key`` (the rerun's header names it), else the key's."""
-    from ..run.runids import fit_run_id
-
-    if task.lease_config().key is None:
-        return run_id  # the rerun's header names it: any arguments give this run
-    try:
-        return str(fit_run_id(task.lease_run_id(*args, **kwargs)))
-    except TypeError as exc:
-        raise _Failure(f"the arguments do not fit {task.name}: {exc}") from None
-
-
-# -- top -------------------------------------------------------------------------------
+    result = rerun_run(
+        ctx.obj.app,
+        _open_store(ctx),
+        run_id,
+        force=force,
+        args=args,
+        kwargs=kwargs,
+        attempts=attempts,
+        from_scratch=from_scratch,
+    )
+    click.echo(result.message)

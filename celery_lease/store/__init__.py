@@ -24,5 +24,8 @@ from .records import ClaimOutcome as ClaimOutcome
 from .records import ClaimResult as ClaimResult
 from .records import HeartbeatResult as HeartbeatResult
 from .records import LeaseKey as LeaseKey
+from .records import RunPageQuery as RunPageQuery
 from .records import RunRecord as RunRecord
+from .records import RunSummary as RunSummary
+from .records import TaskCounts as TaskCounts
 from .sqlite import SQLITE_AUTOCOMMIT as SQLITE_AUTOCOMMIT

@@ -62,7 +62,10 @@ from .records import (
     HeartbeatResult,
     LeaseKey,
     Progress,
+    RunPageQuery,
     RunRecord,
+    RunSummary,
+    TaskCounts,
 )
 from .sql import (
     checkpoint_by_binds,
@@ -70,8 +73,11 @@ from .sql import (
     complete_by_binds,
     ended_values,
     guarded,
+    lease_expired_since,
+    oldest_running,
     progress_values,
     purgeable,
+    run_page,
     success_values,
 )
 
@@ -1261,30 +1267,14 @@ class LeaseStore:
             func.sum(case((runs.c.lease_expires_at > now, 1), else_=0)),
             func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
         ).where(running)
-        oldest = (
-            select(runs)
-            .where(running)
-            .order_by(runs.c.started_at.is_(None), runs.c.started_at, runs.c.id)
-            .limit(1)
-        )
-        # A scalar subquery is an index bound (a volatile clock is not); only
-        # live rows and runs that failed within the window can carry the code.
-        since = select(now - window_ms).scalar_subquery()
-        recent = select(now, func.count()).where(
-            runs.c.failure_code == "lease_expired",
-            or_(
-                and_(
-                    runs.c.status.in_((schema.QUEUED, schema.RUNNING, schema.RETRYING)),
-                    runs.c.updated_at >= since,
-                ),
-                and_(runs.c.status == schema.FAILED, runs.c.finished_at >= since),
-            ),
-        )
+        oldest = oldest_running()
+        # A scalar subquery is an index bound (a volatile clock is not).
+        recent = lease_expired_since(select(now - window_ms).scalar_subquery()).add_columns(now)
         with self._auto.connect() as conn:
             grouped = conn.execute(per_status).all()
             live, expired = conn.execute(leases).one()
             oldest_row = conn.execute(oldest).mappings().first()
-            db_now, expired_recent = conn.execute(recent).one()
+            expired_recent, db_now = conn.execute(recent).one()
         return {
             "now": int(db_now),
             "counts": {str(r[0]): int(r[1]) for r in grouped},
@@ -1418,3 +1408,69 @@ class LeaseStore:
             running_retries=0 if running is None else int(running[3] or 0),
             expired_leases=0 if running is None else int(running[4] or 0),
         )
+
+    # -- the web view's reads ---------------------------------------------------------
+
+    @_db_errors
+    def page_runs(self, query: RunPageQuery) -> list[RunSummary]:
+        """One page of runs for ``query``; read only, one statement.
+
+        Every status is an index range from the keyset bound (see
+        :func:`~celery_lease.store.sql.run_page`), so a page costs the same on
+        the millionth row as on the first. The stored message, the result and
+        the error text are not read.
+        """
+        with self._auto.connect() as conn:
+            rows = conn.execute(run_page(query)).mappings().all()
+        return [RunSummary(**dict(row)) for row in rows]
+
+    @_db_errors
+    def task_counts(self, now: int, window_ms: int = 3_600_000) -> list[TaskCounts]:
+        """Per task: live runs per status, runs that finished within ``window_ms`` before
+        ``now`` per terminal status, running runs whose lease has expired, and runs whose
+        lease expired (``failure_code = 'lease_expired'``) updated within the window; read
+        only, one statement, by task name.
+
+        ``now`` is the database clock (:meth:`now_ms`) passed as a value, so the
+        window is an index bound: only live rows and the window's finished rows
+        are read, from the ``(status, ...)`` indexes, never the whole table.
+        """
+        since = now - window_ms
+        live = (schema.QUEUED, schema.RUNNING, schema.RETRYING)
+        expired = and_(runs.c.status == schema.RUNNING, runs.c.lease_expires_at <= now)
+        stmt = (
+            select(
+                runs.c.task_name,
+                runs.c.status,
+                func.count(),
+                func.sum(case((expired, 1), else_=0)),
+                func.sum(case((lease_expired_since(since).whereclause, 1), else_=0)),
+            )
+            .where(
+                or_(
+                    runs.c.status.in_(live),
+                    and_(
+                        runs.c.status.in_(sorted(schema.TERMINAL_STATUSES)),
+                        runs.c.finished_at >= since,
+                    ),
+                )
+            )
+            .group_by(runs.c.task_name, runs.c.status)
+        )
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).all()
+        found: dict[str, list[Any]] = {}
+        for task_name, status, count, expired_leases, lease_expired in rows:
+            entry = found.setdefault(str(task_name), [{}, {}, 0, 0])
+            entry[0 if status in live else 1][str(status)] = int(count)
+            entry[2] += int(expired_leases or 0)
+            entry[3] += int(lease_expired or 0)
+        return [TaskCounts(name, *found[name]) for name in sorted(found)]
+
+    @_db_errors
+    def oldest_running(self) -> RunRecord | None:
+        """The running run that started first (None if none runs); read only, from the
+        running rows of the ``(status, ...)`` indexes."""
+        with self._auto.connect() as conn:
+            row = conn.execute(oldest_running()).mappings().first()
+        return None if row is None else RunRecord(**dict(row))

@@ -146,3 +146,64 @@ class Activity:
     retried_recently: int
     running_retries: int
     expired_leases: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """A run as a list shows it: no stored message, result or error text; epoch ms."""
+
+    id: str
+    task_name: str
+    status: str
+    lease_owner: str | None
+    lease_expires_at: int | None
+    heartbeat_at: int | None
+    attempt: int
+    max_attempts: int
+    cancel_requested_at: int | None
+    started_at: int | None
+    finished_at: int | None
+    failure_code: str | None
+    created_at: int
+    updated_at: int
+
+    @property
+    def terminal(self) -> bool:
+        """True once the run is succeeded, failed or cancelled."""
+        return self.status in TERMINAL_STATUSES
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPageQuery:
+    """What :meth:`LeaseStore.page_runs` lists: filters and the keyset bound of a page.
+
+    ``id_prefix`` lists the runs whose id (a keyed run's ``task:key``) starts with it,
+    ordered by id, and pages by ``after_id`` alone; otherwise runs come newest first
+    and a page starts after ``(after_created, after_id)``, the last row of the one
+    before. ``created_since``: epoch ms (DB clock); older runs are left out.
+    """
+
+    status: str | None = None
+    task_name: str | None = None
+    id_prefix: str | None = None
+    created_since: int | None = None
+    after_created: int | None = None
+    after_id: str | None = None
+    limit: int = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCounts:
+    """What :meth:`LeaseStore.task_counts` counted for one task (DB clock, one window).
+
+    ``live``: runs per live status. ``ended_recently``: runs that finished within the
+    window, per terminal status. ``expired_leases``: running runs whose lease has
+    expired (awaiting takeover or the sweeper). ``lease_expired_recently``: runs whose
+    lease expired (``failure_code = 'lease_expired'``) updated within the window.
+    """
+
+    task_name: str
+    live: dict[str, int]
+    ended_recently: dict[str, int]
+    expired_leases: int = 0
+    lease_expired_recently: int = 0

@@ -7,6 +7,7 @@ database clock.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,15 +23,18 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    union_all,
     update,
 )
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..schema import (
+    FAILED,
     MAX_PROGRESS_NOTE,
     QUEUED,
     RETRYING,
     RUNNING,
+    STATUSES,
     SUCCEEDED,
     TERMINAL_STATUSES,
     TRACEPARENT_LENGTH,
@@ -39,7 +43,7 @@ from ..schema import (
     db_now_ms,
     runs,
 )
-from .records import _CLEARED_ON_SUCCESS, LeaseKey, Progress
+from .records import _CLEARED_ON_SUCCESS, LeaseKey, Progress, RunPageQuery, RunSummary
 
 #: Builds a dialect's ``INSERT`` construct for a table (see ``Database.insert``).
 InsertBuilder = Callable[[Table], Any]
@@ -308,3 +312,94 @@ def purgeable(status: str, older_than_ms: int) -> Any:
     # volatile, so PostgreSQL would filter every row of the status instead).
     cutoff = select(db_now_ms() - older_than_ms).scalar_subquery()
     return and_(runs.c.status == status, runs.c.finished_at < cutoff)
+
+
+#: The columns of a :class:`RunSummary`: never the stored message or the result.
+SUMMARY_COLUMNS = tuple(runs.c[field.name] for field in dataclasses.fields(RunSummary))
+
+#: One character above any a run id holds: a prefix's upper bound.
+_PREFIX_TOP = "\uffff"
+
+
+def run_page(query: RunPageQuery) -> Any:
+    """The ``SELECT`` of one page of :class:`RunSummary` rows for ``query``.
+
+    Newest first, each status an index range on ``(status, created_at, id)`` (or
+    ``(task_name, status, created_at, id)`` with a task) from the keyset bound down,
+    at most ``limit`` rows each, merged by one ``UNION ALL``: no sort of the table,
+    no ``OFFSET``. With ``id_prefix``: a range of the primary key, in id order.
+    """
+    limit = max(0, query.limit)
+    if query.id_prefix is not None:
+        prefix = query.id_prefix
+        where = [
+            runs.c.id >= prefix,
+            runs.c.id < prefix + _PREFIX_TOP,
+            # The range bounds the index scan; LIKE keeps only true prefixes (a
+            # collation may order ids otherwise than code points).
+            runs.c.id.startswith(prefix, autoescape=True),
+            *_run_filters(query, query.status),
+        ]
+        if query.after_id is not None:
+            where.append(runs.c.id > query.after_id)
+        return select(*SUMMARY_COLUMNS).where(*where).order_by(runs.c.id).limit(limit)
+    statuses = STATUSES if query.status is None else (query.status,)
+    parts = []
+    for status in statuses:
+        where = _run_filters(query, status)
+        if query.after_created is not None and query.after_id is not None:
+            # `created_at <= c` bounds the index range; the rest breaks ties by id.
+            where += [
+                runs.c.created_at <= query.after_created,
+                or_(runs.c.created_at < query.after_created, runs.c.id < query.after_id),
+            ]
+        part = (
+            select(*SUMMARY_COLUMNS)
+            .where(*where)
+            .order_by(runs.c.created_at.desc(), runs.c.id.desc())
+            .limit(limit)
+        )
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    merged = union_all(*(select(part.subquery()) for part in parts)).subquery()
+    return (
+        select(*(merged.c[column.name] for column in SUMMARY_COLUMNS))
+        .order_by(merged.c.created_at.desc(), merged.c.id.desc())
+        .limit(limit)
+    )
+
+
+def _run_filters(query: RunPageQuery, status: str | None) -> list[Any]:
+    """The conditions of a page for one status (None: any)."""
+    where: list[Any] = []
+    if status is not None:
+        where.append(runs.c.status == status)
+    if query.task_name is not None:
+        where.append(runs.c.task_name == query.task_name)
+    if query.created_since is not None:
+        where.append(runs.c.created_at >= query.created_since)
+    return where
+
+
+def oldest_running() -> Any:
+    """The ``SELECT`` of the running run that started first."""
+    return (
+        select(runs)
+        .where(runs.c.status == RUNNING)
+        .order_by(runs.c.started_at.is_(None), runs.c.started_at, runs.c.id)
+        .limit(1)
+    )
+
+
+def lease_expired_since(since: Any) -> Any:
+    """The ``SELECT count(*)`` of runs with ``failure_code = 'lease_expired'`` updated at or
+    after ``since`` (a value or a scalar subquery: an index bound either way); only live
+    rows and runs that failed since then can carry that code."""
+    return select(func.count()).where(
+        runs.c.failure_code == "lease_expired",
+        or_(
+            and_(runs.c.status.in_((QUEUED, RUNNING, RETRYING)), runs.c.updated_at >= since),
+            and_(runs.c.status == FAILED, runs.c.finished_at >= since),
+        ),
+    )

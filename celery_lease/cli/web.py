@@ -1,0 +1,51 @@
+"""``lease web``: serve the web view (the ``web`` extra) on a local port."""
+
+from __future__ import annotations
+
+import click
+from celery.exceptions import ImproperlyConfigured
+
+from ..config import web_token
+from .common import _URL_KEY, _Failure, _open_store, _operator_errors, lease
+
+
+@lease.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=5566, show_default=True)
+@click.pass_context
+@_operator_errors
+def web(ctx: click.Context, host: str, port: int) -> None:
+    """Serve the web view: runs, a run's detail, overview, live updates; cancel and rerun.
+
+    Read-only unless lease_web_token (or CELERY_LEASE_WEB_TOKEN) gives a write token.
+    Binds 127.0.0.1 by default; a non-loopback address is refused without a token,
+    and with one every page asks for it. Needs pip install 'celery-lease[web]'.
+    """
+    from ..web.security import BindRefused, check_bind
+
+    app = ctx.obj.app
+    try:
+        token = web_token(app.conf)
+        check_bind(host, token)
+    except (BindRefused, ImproperlyConfigured) as exc:
+        raise _Failure(str(exc)) from None
+    try:
+        import uvicorn
+
+        from ..web import create_app
+    except ImportError:
+        raise _Failure(
+            "lease web needs Starlette, Jinja2 and uvicorn: pip install 'celery-lease[web]'"
+        ) from None
+    from ..web.security import is_loopback
+
+    store = _open_store(ctx)
+    public = not is_loopback(host)
+    asgi = create_app(app, token=token, store=store, protect_reads=public)
+    shown = ctx.meta.get(_URL_KEY, "?")
+    mode = "read-only" if token is None else "writes need the token"
+    if public:
+        mode += "; every page asks for the token"
+    where = f"[{host}]" if ":" in host else host
+    click.echo(f"celery lease web: http://{where}:{port}/ on {shown} ({mode}); Ctrl-C stops")
+    uvicorn.run(asgi, host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,708 @@
+"""``celery lease web``: the pages, their keyset pages, the guards on writes, escaping, and
+the real thing in headless Chromium (Debian's ``chromium`` + ``chromium-driver``).
+
+Route and guard tests use Starlette's TestClient on a SQLite lease database; the keyset
+walk runs on every database; the browser tests start the real ``celery -A tests.cli_app
+lease web`` command and drive it with Selenium.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
+from sqlalchemy import insert
+
+import celery_lease.web
+from celery_lease.config import sqlite_url
+from celery_lease.schema import runs
+from celery_lease.store import LeaseStore, RunPageQuery
+from celery_lease.web import create_app
+from celery_lease.web.security import BindRefused, check_bind
+from tests.browser import WebServer, browser
+from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.helpers import REPO, env_flag, plain_engine, wait_for
+
+TOKEN = "s3cret-token-for-tests"
+EVIL_TASK = "shop.<script>alert('task')</script>"
+EVIL_ERROR = "boom <script>alert('error')</script> password=hunter2"
+SECRET_ARGS = b'{"card": "4111-SECRET-ARGS"}'
+
+
+def add_run(
+    engine: Any,
+    run_id: str,
+    *,
+    status: str = "queued",
+    task: str = "shop.charge",
+    created_at: int = 1_000,
+    **values: Any,
+) -> None:
+    """Insert one run row as it would stand after its history (test setup only)."""
+    row = {
+        "id": run_id,
+        "task_name": task,
+        "status": status,
+        "lease_ms": 30_000,
+        "attempt": 1 if status != "queued" else 0,
+        "max_attempts": 3,
+        "available_at": created_at,
+        "created_at": created_at,
+        "updated_at": created_at,
+        **values,
+    }
+    with engine.begin() as conn:
+        conn.execute(insert(runs).values(**row))
+
+
+@pytest.fixture
+def lease_db(tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    """A SQLite lease database with its table, and a plain engine on it."""
+    url = sqlite_url(tmp_path / "leases.sqlite3")
+    store = LeaseStore.from_url(url)
+    store.create_schema()
+    store.dispose()
+    engine = plain_engine(url)
+    yield url, engine
+    engine.dispose()
+
+
+def celery_app(url: str, **conf: Any) -> Celery:
+    app = Celery("web_test", set_as_current=False)
+    app.conf.update(broker_url="memory://", lease_database_url=url, **conf)
+    return app
+
+
+def client(url: str, **kwargs: Any) -> Any:
+    from starlette.testclient import TestClient
+
+    return TestClient(create_app(celery_app(url), **kwargs))
+
+
+def csrf_of(response: Any) -> str:
+    match = re.search(r'name="csrf" value="([^"]+)"', response.text)
+    assert match, response.text
+    return match.group(1)
+
+
+# -- keyset pages ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_keyset_pages_walk_every_run_once_newest_first(db_url: str) -> None:
+    """Pages bounded by the last row shown cover every run once, newest first (ties by id),
+    for each filter, on every database: no row is skipped or repeated across pages."""
+    store = LeaseStore.from_url(db_url)
+    store.create_schema()
+    engine = plain_engine(db_url)
+    statuses = ["queued", "running", "succeeded", "failed", "cancelled", "retrying"]
+    expected = []
+    for n in range(40):
+        status, task = statuses[n % 6], f"shop.task{n % 3}"
+        created = 10_000 + (n // 4) * 1000  # four runs share each created_at: ties by id
+        run_id = f"{task}:order-{n:03d}"
+        add_run(engine, run_id, status=status, task=task, created_at=created)
+        expected.append((created, run_id, status, task))
+    try:
+        for status, task in [
+            (None, None),
+            ("failed", None),
+            (None, "shop.task1"),
+            ("running", "shop.task2"),
+        ]:
+            want = sorted(
+                (e for e in expected if status in (None, e[2]) and task in (None, e[3])),
+                reverse=True,
+            )
+            seen: list[tuple[int, str]] = []
+            after: tuple[int | None, str | None] = (None, None)
+            for _ in range(20):
+                page = store.page_runs(
+                    RunPageQuery(
+                        status=status,
+                        task_name=task,
+                        after_created=after[0],
+                        after_id=after[1],
+                        limit=7,
+                    )
+                )
+                seen += [(r.created_at, r.id) for r in page]
+                if len(page) < 7:
+                    break
+                after = (page[-1].created_at, page[-1].id)
+            assert seen == [(c, i) for c, i, _, _ in want], (status, task)
+        # A key prefix pages by id; LIKE's wildcards in it are taken literally.
+        add_run(engine, "shop.task1:order_x", task="shop.task1")
+        prefixed = store.page_runs(RunPageQuery(id_prefix="shop.task1:order-01", limit=50))
+        assert [r.id for r in prefixed] == [f"shop.task1:order-{n:03d}" for n in (10, 13, 16, 19)]
+        first = store.page_runs(RunPageQuery(id_prefix="shop.task1:", limit=5))
+        rest = store.page_runs(RunPageQuery(id_prefix="shop.task1:", after_id=first[-1].id))
+        ids = [r.id for r in first + rest]
+        assert ids == sorted(ids) and len(ids) == len(set(ids)) == 14
+        assert store.page_runs(RunPageQuery(id_prefix="shop.task1:order%")) == []
+        # The age bound: only runs created at or after it.
+        recent = store.page_runs(RunPageQuery(created_since=18_000, limit=100))
+        assert {r.created_at for r in recent} == {18_000, 19_000}
+    finally:
+        engine.dispose()
+        store.dispose()
+
+
+# -- pages -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_pages_escape_row_values_and_never_show_payload_or_password(
+    lease_db: tuple[str, Any],
+) -> None:
+    """A task name and an error holding ``<script>`` come out as text on every page; the
+    stored arguments are shown by size only, and ``password=`` values in errors are masked."""
+    url, engine = lease_db
+    add_run(
+        engine,
+        "evil-1",
+        task=EVIL_TASK,
+        status="failed",
+        last_error=EVIL_ERROR,
+        failure_code="boom",
+        payload=SECRET_ARGS,
+        finished_at=LeaseStore.from_url(url).now_ms(),  # in the overview's last hour
+    )
+    c = client(url, token=TOKEN)
+    for path in (
+        "/",
+        "/runs",
+        "/run?id=evil-1",
+        "/runs?task=" + EVIL_TASK,
+        "/confirm?action=rerun&id=evil-1",
+    ):
+        response = c.get(path)
+        assert response.status_code == 200, path
+        html = response.text
+        assert "<script>alert" not in html, path
+        assert "hunter2" not in html and "SECRET-ARGS" not in html, path
+        assert "&lt;script&gt;alert(" in html, path
+        assert response.headers["content-security-policy"].startswith("default-src 'none'")
+        # Only the package's own script, never inline code or another host's.
+        assert re.findall(r"<script[^>]*>", html) == ['<script src="/static/app.js" defer>']
+    detail = c.get("/run?id=evil-1").text
+    assert f"{len(SECRET_ARGS)} bytes (contents not shown)" in detail
+    api = c.get("/api/run?id=evil-1").json()
+    assert "SECRET-ARGS" not in str(api) and "hunter2" not in str(api)
+    assert c.get("/api/runs").json()["rows"][0]["task"] == EVIL_TASK  # JSON: data, as text
+
+
+@pytest.mark.timeout(60)
+def test_database_password_never_shown(tmp_path: Path) -> None:
+    """An unreachable server is a 503 page naming the database with its password masked."""
+    url = "postgresql+psycopg://ops:hunter2@127.0.0.1:1/leases"
+    c = client(url)
+    for path in ("/", "/runs", "/api/runs"):
+        response = c.get(path)
+        assert response.status_code == 503, path
+        assert "hunter2" not in response.text and "***" in response.text, path
+
+
+@pytest.mark.timeout(60)
+def test_runs_page_filters_and_links_the_next_page(lease_db: tuple[str, Any]) -> None:
+    """Filters narrow the list; ``older`` links the page after the last row (keyset);
+    a bad filter is a 400 with the reason."""
+    url, engine = lease_db
+    for n in range(60):
+        add_run(
+            engine,
+            f"shop.charge:{n:03d}",
+            status="succeeded" if n % 2 else "failed",
+            created_at=1_000 + n,
+        )
+    add_run(engine, "shop.refund:1", task="shop.refund", created_at=5_000)
+    c = client(url)
+    page = c.get("/api/runs").json()
+    assert len(page["rows"]) == 50 and page["rows"][0]["id"] == "shop.refund:1"
+    assert page["next"] == "after_id=shop.charge%3A011&after_created=1011"
+    older = c.get("/api/runs?" + page["next"]).json()
+    assert [r["id"] for r in older["rows"]] == [f"shop.charge:{n:03d}" for n in range(10, -1, -1)]
+    assert older["next"] is None
+    failed = c.get("/api/runs?status=failed&key=shop.charge:01").json()["rows"]
+    assert [r["id"] for r in failed] == [f"shop.charge:{n:03d}" for n in (10, 12, 14, 16, 18)]
+    assert [r["id"] for r in c.get("/api/runs?task=shop.refund").json()["rows"]] == [
+        "shop.refund:1"
+    ]
+    html = c.get("/runs?task=shop.charge").text
+    assert 'href="/runs?task=shop.charge&amp;after_id=shop.charge%3A010&amp;after_created=' in html
+    bad = c.get("/runs?status=exploded")
+    assert bad.status_code == 400 and "status must be one of" in bad.text
+    assert c.get("/api/runs?age=3y").status_code == 400
+
+
+@pytest.mark.timeout(60)
+def test_overview_counts(db_url: str) -> None:
+    """Counts per status and per task (live, and ended in the last hour), the oldest running
+    lease, and the leases that expired and were taken over in the last hour; on every
+    database."""
+    url = db_url
+    store = LeaseStore.from_url(url)
+    store.create_schema()
+    engine = plain_engine(url)
+    now = store.now_ms()
+    add_run(
+        engine,
+        "a",
+        status="running",
+        task="shop.charge",
+        created_at=now - 5000,
+        started_at=now - 5000,
+        lease_owner="w1@host:1:x",
+        lease_expires_at=now + 30_000,
+    )
+    add_run(
+        engine,
+        "b",
+        status="running",
+        task="shop.charge",
+        created_at=now - 1000,
+        started_at=now - 1000,
+        lease_owner="w2@host:2:y",
+        lease_expires_at=now + 30_000,
+    )
+    add_run(
+        engine,
+        "c",
+        status="retrying",
+        task="shop.refund",
+        failure_code="lease_expired",
+        updated_at=now - 1000,
+        created_at=now - 9000,
+    )
+    add_run(
+        engine,
+        "x",
+        status="running",
+        task="shop.charge",
+        started_at=now - 500,
+        lease_owner="w3@host:3:z",
+        lease_expires_at=now - 100,  # expired: awaiting takeover
+    )
+    for run_id, ended in (("d", now - 1000), ("e", now - 7_200_000)):  # an end sets both
+        add_run(
+            engine,
+            run_id,
+            status="succeeded",
+            task="shop.refund",
+            finished_at=ended,
+            lease_expires_at=ended,
+        )
+    data = client(url).get("/api/overview").json()
+    # Live runs, and the runs that ended in the last hour: "e" ended two hours ago.
+    assert {s["status"]: s["count"] for s in data["statuses"]} == {
+        "queued": 0,
+        "running": 3,
+        "retrying": 1,
+        "succeeded": 1,
+        "failed": 0,
+        "cancelled": 0,
+    }
+    assert data["tasks"] == [
+        {"task": "shop.charge", "live": [0, 3, 0], "ended": [0, 0, 0]},
+        {"task": "shop.refund", "live": [0, 0, 1], "ended": [1, 0, 0]},
+    ]
+    assert data["oldest"]["id"] == "a" and data["taken_over"] == 1
+    assert (data["live_leases"], data["expired_leases"]) == (2, 1)
+    store.dispose()
+    engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_mounted_under_a_prefix(lease_db: tuple[str, Any]) -> None:
+    """Mounted at /lease in another ASGI app (Starlette's Mount, as FastAPI's mount and the
+    Django recipe use): links, assets, the form and the CSRF cookie all stay under it."""
+    from starlette.routing import Mount, Router
+    from starlette.testclient import TestClient
+
+    url, engine = lease_db
+    add_run(engine, "r1")
+    view = create_app(celery_app(url), token=TOKEN)
+    c = TestClient(Router(routes=[Mount("/lease", app=view)]))
+    page = c.get("/lease/runs")
+    assert page.status_code == 200
+    assert 'href="/lease/run?id=r1"' in page.text and 'src="/lease/static/app.js"' in page.text
+    assert "Path=/lease" in page.headers["set-cookie"]
+    assert c.get("/lease/static/app.js").status_code == 200
+    confirm = c.get("/lease/confirm?action=cancel&id=r1")
+    assert 'action="/lease/action"' in confirm.text
+    done = c.post(
+        "/lease/action",
+        data={"csrf": csrf_of(confirm), "action": "cancel", "id": "r1", "token": TOKEN},
+    )
+    assert done.status_code == 200 and "run r1 is cancelled" in done.text
+
+
+# -- writes ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_read_only_without_a_token(lease_db: tuple[str, Any]) -> None:
+    """Without a write token no action is offered and every write is refused."""
+    url, engine = lease_db
+    add_run(engine, "r1")
+    c = client(url)
+    page = c.get("/run?id=r1")
+    assert "/confirm?" not in page.text and "read-only" in page.text
+    assert c.get("/confirm?action=cancel&id=r1").status_code == 403
+    csrf = page.cookies.get("celery_lease_csrf") or c.cookies.get("celery_lease_csrf")
+    refused = c.post("/action", data={"csrf": csrf, "action": "cancel", "id": "r1", "token": TOKEN})
+    assert refused.status_code == 403 and "read-only" in refused.text
+    assert LeaseStore.from_url(url).get("r1").status == "queued"  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+def test_writes_need_the_csrf_value_and_the_token(lease_db: tuple[str, Any]) -> None:
+    """A cancel is refused without the CSRF value, with another one, from another origin,
+    without the token or with a wrong one; with both it cancels and says so."""
+    url, engine = lease_db
+    add_run(engine, "r1")
+    store = LeaseStore.from_url(url)
+    c = client(url, token=TOKEN)
+    confirm = c.get("/confirm?action=cancel&id=r1")
+    assert confirm.status_code == 200 and "Cancel run" in confirm.text
+    csrf = csrf_of(confirm)
+    form = {"action": "cancel", "id": "r1", "token": TOKEN}
+    for data, headers, reason in [
+        (form, {}, "CSRF check failed"),
+        ({**form, "csrf": "forged"}, {}, "CSRF check failed"),
+        ({**form, "csrf": csrf}, {"origin": "http://evil.example"}, "cross-origin"),
+        ({**form, "csrf": csrf, "token": ""}, {}, "wrong or missing write token"),
+        ({**form, "csrf": csrf, "token": TOKEN + "x"}, {}, "wrong or missing write token"),
+    ]:
+        refused = c.post("/action", data=data, headers=headers)
+        assert refused.status_code == 403 and reason in refused.text, (data, headers)
+        assert store.get("r1").status == "queued"  # type: ignore[union-attr]
+    done = c.post("/action", data={**form, "csrf": csrf})
+    assert done.status_code == 200 and "run r1 is cancelled" in done.text
+    assert store.get("r1").status == "cancelled"  # type: ignore[union-attr]
+    add_run(engine, "ended", status="succeeded", finished_at=2_000)
+    ended = c.post("/action", data={**form, "id": "ended", "csrf": csrf})
+    assert ended.status_code == 409 and "already succeeded: nothing to cancel" in ended.text
+    # A script may send the token as a bearer header instead of the form field.
+    add_run(engine, "r2")
+    bearer = c.post(
+        "/action",
+        data={"csrf": csrf, "action": "cancel", "id": "r2"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert bearer.status_code == 200
+    store.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_rerun_from_the_web_is_the_cli_rerun(lease_db: tuple[str, Any]) -> None:
+    """Rerun puts a failed run back to queued with fresh attempts, as ``lease rerun`` does
+    (one shared function), and refuses a live run with the CLI's sentence."""
+    url, engine = lease_db
+    add_run(engine, "f1", status="failed", attempt=3, failure_code="boom", finished_at=2_000)
+    add_run(engine, "live", status="queued")
+    c = client(url, token=TOKEN)
+    csrf = csrf_of(c.get("/confirm?action=rerun&id=f1"))
+    done = c.post("/action", data={"csrf": csrf, "action": "rerun", "id": "f1", "token": TOKEN})
+    assert done.status_code == 200, done.text
+    assert "run f1 is queued again (attempts 4..8)" in done.text
+    refused = c.post(
+        "/action", data={"csrf": csrf, "action": "rerun", "id": "live", "token": TOKEN}
+    )
+    assert refused.status_code == 409 and "it is live, nothing to rerun" in refused.text
+
+
+@pytest.mark.timeout(60)
+def test_protected_reads_ask_for_the_token(lease_db: tuple[str, Any]) -> None:
+    """With ``protect_reads`` (a public bind) every page needs the token as Basic auth."""
+    url, _ = lease_db
+    c = client(url, token=TOKEN, protect_reads=True)
+    denied = c.get("/runs")
+    assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Basic")
+    assert c.get("/static/app.js").status_code == 401
+    basic = base64.b64encode(f"ops:{TOKEN}".encode()).decode()
+    assert c.get("/runs", headers={"authorization": f"Basic {basic}"}).status_code == 200
+    wrong = base64.b64encode(b"ops:guess-guess-guess").decode()
+    assert c.get("/runs", headers={"authorization": f"Basic {wrong}"}).status_code == 401
+    with pytest.raises(ImproperlyConfigured, match="needs a write token"):
+        client(url, protect_reads=True)
+
+
+@pytest.mark.timeout(30)
+def test_token_setting_is_validated(
+    lease_db: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short token is a one-line error; the environment variable is read when unset."""
+    url, _ = lease_db
+    with pytest.raises(ImproperlyConfigured, match="lease_web_token must be at least 16"):
+        create_app(celery_app(url, lease_web_token="short"))
+    monkeypatch.setenv("CELERY_LEASE_WEB_TOKEN", TOKEN)
+    from starlette.testclient import TestClient
+
+    page = TestClient(create_app(celery_app(url))).get("/runs").text
+    assert "writes need the token" in page
+
+
+@pytest.mark.timeout(30)
+def test_public_bind_without_a_token_is_refused() -> None:
+    """Loopback binds serve read-only; any other address needs a token."""
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("localhost", None)
+    with pytest.raises(BindRefused, match=r"refusing to serve on 0\.0\.0\.0 without"):
+        check_bind("0.0.0.0", None)
+    check_bind("0.0.0.0", TOKEN)
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_a_public_bind_in_one_line(tmp_path: Path) -> None:
+    """``lease web --host 0.0.0.0`` without a token exits 1 with one line, serving nothing."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CL_LEASE_DB": sqlite_url(tmp_path / "l.db")}
+    env.pop("CELERY_LEASE_WEB_TOKEN", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.cli_app",
+            "lease",
+            "web",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "Error: refusing to serve on 0.0.0.0 without a credential: set lease_web_token or "
+        "CELERY_LEASE_WEB_TOKEN (every page then asks for it), or bind 127.0.0.1"
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch, lease_db: tuple[str, Any]) -> None:
+    """Without Starlette the factory says which extra to install."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "starlette"] + ["starlette"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "celery_lease.web.app", raising=False)
+    monkeypatch.delattr(celery_lease.web, "app", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'celery-lease\[web\]'"):
+        create_app(celery_app(lease_db[0]))
+
+
+# -- the real thing, in headless Chromium -----------------------------------------------------
+
+
+@pytest.fixture
+def served(lease_db: tuple[str, Any], tmp_path: Path) -> Iterator[tuple[WebServer, str, Any]]:
+    url, engine = lease_db
+    server = WebServer(
+        "tests.cli_app", {"CL_LEASE_DB": url, "CELERY_LEASE_WEB_TOKEN": TOKEN}, tmp_path
+    )
+    yield server, url, engine
+    server.stop()
+
+
+def wait_text(driver: Any, css: str, text: str, timeout: float = 10.0) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, timeout).until(
+        ec.text_to_be_present_in_element((By.CSS_SELECTOR, css), text)
+    )
+
+
+@pytest.mark.timeout(120)
+def test_browser_filter_open_and_cancel_with_the_token(served: tuple[WebServer, str, Any]) -> None:
+    """In Chromium: filter the runs page, open a run, cancel it with the token; a cancel
+    without the token and one without the CSRF value are refused; `<script>` stays text."""
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    server, url, engine = served
+    add_run(engine, "shop.charge:ord-1", created_at=2_000)
+    add_run(engine, "shop.charge:ord-2", created_at=3_000)
+    add_run(
+        engine,
+        "evil",
+        task=EVIL_TASK,
+        status="failed",
+        last_error=EVIL_ERROR,
+        created_at=4_000,
+        finished_at=4_000,
+    )
+    add_run(engine, "shop.refund:ord-1", task="shop.refund", created_at=5_000)
+    store = LeaseStore.from_url(url)
+    driver = browser()
+    try:
+        driver.get(server.url + "/runs")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#rows tr")
+        assert [r.get_attribute("data-id") for r in rows] == [
+            "shop.refund:ord-1",
+            "evil",
+            "shop.charge:ord-2",
+            "shop.charge:ord-1",
+        ]
+        assert EVIL_TASK in driver.find_element(By.ID, "rows").text  # shown as text
+        with pytest.raises(NoAlertPresentException):
+            driver.switch_to.alert.text  # noqa: B018 - no script of the row ran
+        # Filter: task shop.charge, key prefix.
+        driver.find_element(By.NAME, "task").send_keys("shop.charge")
+        driver.find_element(By.NAME, "key").send_keys("shop.charge:ord-2")
+        driver.find_element(By.CSS_SELECTOR, "form.filters button").click()
+        wait_text(driver, "#rows", "shop.charge:ord-2")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#rows tr")
+        assert [r.get_attribute("data-id") for r in rows] == ["shop.charge:ord-2"]
+        # Open it, then cancel: first without the token, then without the CSRF value.
+        driver.find_element(By.LINK_TEXT, "shop.charge:ord-2").click()
+        wait_text(driver, "h1", "Run shop.charge:ord-2")
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="status"]').text == "queued"
+        driver.find_element(By.LINK_TEXT, "Cancel").click()
+        wait_text(driver, "h1", "Cancel run")
+        driver.find_element(By.ID, "confirm").click()
+        wait_text(driver, "#message", "wrong or missing write token")
+        assert store.get("shop.charge:ord-2").status == "queued"  # type: ignore[union-attr]
+        driver.back()
+        wait_text(driver, "h1", "Cancel run")
+        driver.execute_script("document.querySelector('input[name=csrf]').remove()")
+        driver.find_element(By.NAME, "token").send_keys(TOKEN)
+        driver.find_element(By.ID, "confirm").click()
+        wait_text(driver, "#message", "CSRF check failed")
+        assert store.get("shop.charge:ord-2").status == "queued"  # type: ignore[union-attr]
+        driver.back()
+        driver.refresh()
+        wait_text(driver, "h1", "Cancel run")
+        driver.find_element(By.NAME, "token").send_keys(TOKEN)
+        driver.find_element(By.ID, "confirm").click()
+        wait_text(driver, "#message", "run shop.charge:ord-2 is cancelled")
+        assert store.get("shop.charge:ord-2").status == "cancelled"  # type: ignore[union-attr]
+        driver.find_element(By.LINK_TEXT, "back to the run").click()
+        wait_text(driver, 'dd[data-field="status"]', "cancelled")
+        # The evil run's page: its task and error are text, no script ran.
+        driver.get(server.url + "/run?id=evil")
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="task"]').text == EVIL_TASK
+        error = driver.find_element(By.CSS_SELECTOR, 'dd[data-field="last_error"]').text
+        assert "<script>alert('error')</script>" in error and "hunter2" not in error
+        with pytest.raises(NoAlertPresentException):
+            driver.switch_to.alert.text  # noqa: B018
+    finally:
+        driver.quit()
+        store.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_browser_live_update_shows_running_then_succeeded(
+    served: tuple[WebServer, str, Any],
+) -> None:
+    """An open runs page and run page follow a run from running to succeeded without a
+    reload (the claim and the completion are the store's, as a worker's)."""
+    from selenium.webdriver.common.by import By
+
+    server, url, _ = served
+    store = LeaseStore.from_url(url)
+    driver = browser()
+    try:
+        driver.get(server.url + "/runs")
+        driver.execute_script("window.notReloaded = true")
+        claim = store.claim(
+            "shop.charge:live",
+            "w1@host:4242:abc",
+            task_name="shop.charge",
+            lease_ms=30_000,
+            max_attempts=3,
+        )
+        wait_text(driver, '#rows tr[data-id="shop.charge:live"] td.status', "running")
+        row = driver.find_element(By.CSS_SELECTOR, '#rows tr[data-id="shop.charge:live"]')
+        assert "host:4242" in row.text and "left" in row.text
+        store.complete("shop.charge:live", claim.owner, claim.attempt)
+        wait_text(driver, '#rows tr[data-id="shop.charge:live"] td.status', "succeeded")
+        assert driver.execute_script("return window.notReloaded") is True
+        assert "live" in driver.find_element(By.ID, "live").text
+        # The run's own page too.
+        claim2 = store.claim(
+            "shop.charge:live2",
+            "w2@host:77:def",
+            task_name="shop.charge",
+            lease_ms=30_000,
+            max_attempts=3,
+        )
+        driver.get(server.url + "/run?id=shop.charge:live2")
+        driver.execute_script("window.notReloaded = true")
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="status"]').text == "running"
+        store.complete("shop.charge:live2", claim2.owner, claim2.attempt)
+        wait_text(driver, 'dd[data-field="status"]', "succeeded")
+        wait_text(driver, 'dd[data-field="lease"]', "-")
+        assert driver.execute_script("return window.notReloaded") is True
+    finally:
+        driver.quit()
+        store.dispose()
+
+
+def test_browser_requirement_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The browser check skips on a laptop without chromium but fails under CI=true."""
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    monkeypatch.setenv("CI", "true")
+    assert env_flag("CI")
+    with pytest.raises(pytest.fail.Exception, match="chromium"):
+        browser()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception):
+        browser()
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(180)
+def test_browser_follows_a_real_worker_and_cancels_its_run(cluster: Cluster) -> None:
+    """With a real ``celery worker``: an open run page shows the run running under that
+    worker, the cancel made from the page (with the token) stops it within a heartbeat
+    and the page shows ``cancelled``; another run goes running -> succeeded; no reload."""
+    from selenium.webdriver.common.by import By
+
+    cluster.start("w1", conf={"lease_seconds": 3})
+    env = {**cluster.env, "CELERY_LEASE_WEB_TOKEN": TOKEN}
+    server = WebServer("tests.workerapp", env, cluster.tmp_path)
+    driver = browser()
+    try:
+        run_id = cluster.send("work", 60.0)
+        wait_for(lambda: cluster.status(run_id) == "running", 30, what="the run to start")
+        driver.get(f"{server.url}/run?id={run_id}")
+        owner = driver.find_element(By.CSS_SELECTOR, 'dd[data-field="owner"]').text
+        assert owner.startswith("w1@"), owner
+        driver.find_element(By.LINK_TEXT, "Cancel").click()
+        wait_text(driver, "h1", "Cancel run")
+        driver.find_element(By.NAME, "token").send_keys(TOKEN)
+        driver.find_element(By.ID, "confirm").click()
+        wait_text(driver, "#message", "cancel requested")
+        driver.find_element(By.LINK_TEXT, "back to the run").click()
+        wait_text(driver, "h1", "Run")
+        driver.execute_script("window.notReloaded = true")
+        wait_text(driver, 'dd[data-field="status"]', "cancelled", timeout=20)
+        assert driver.execute_script("return window.notReloaded") is True
+        assert cluster.effects(run_id, "commit") == []  # stopped before its fenced write
+
+        second = cluster.send("work", 3.0)
+        wait_for(lambda: cluster.status(second) == "running", 30, what="the second run")
+        driver.get(f"{server.url}/run?id={second}")
+        driver.execute_script("window.notReloaded = true")
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="status"]').text == "running"
+        wait_text(driver, 'dd[data-field="status"]', "succeeded", timeout=20)
+        assert driver.execute_script("return window.notReloaded") is True
+    finally:
+        driver.quit()
+        server.stop()
