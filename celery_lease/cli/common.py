@@ -241,26 +241,6 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
     return data
 
 
-def format_count(value: float) -> str:
-    """A progress count: an integer without its ``.0``."""
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
-
-
-def progress_text(record: RunRecord, *, note: bool = True) -> str:
-    """``done/total`` (or ``done``), the percentage and (with ``note``) the note of a run's
-    last reported progress, or ``-``."""
-    if record.progress_done is None:
-        return "-"
-    text = format_count(record.progress_done)
-    if record.progress_total is not None:
-        text += f"/{format_count(record.progress_total)}"
-        if record.progress_total > 0:
-            text += f" ({100 * record.progress_done / record.progress_total:.0f}%)"
-    if note and record.progress_note:
-        text += f" {record.progress_note}"
-    return text
-
-
 def _short_owner(owner: str | None) -> str:
     """``host:pid`` of an owner (its random part only matters to the guard)."""
     return Owner.parse(owner).short() if owner else "-"

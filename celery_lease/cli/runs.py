@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from ..actions import cancel_run, rerun_run
+from ..progress import progress_text
 from ..schema import (
     RUNNING,
     STATUSES,
@@ -27,7 +28,6 @@ from .common import (
     format_time,
     lease,
     lease_left,
-    progress_text,
     record_data,
     render_table,
     short_id,
@@ -123,7 +123,7 @@ def show(
     lines.append(("payload", _payload_text(record, data["payload_bytes"])))
     if "payload" in data:
         lines[-1] = ("payload", str(data["payload"]))
-    progress = progress_text(record)
+    progress = progress_text(record.progress_done, record.progress_total, record.progress_note)
     if record.progress_at is not None:
         progress += f"  (written {format_relative(record.progress_at, now)})"
     lines.append(("progress", progress))

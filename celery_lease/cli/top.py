@@ -7,6 +7,7 @@ import time
 
 import click
 
+from ..progress import progress_text
 from ..schema import (
     QUEUED,
     RETRYING,
@@ -57,7 +58,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
                 if r.cancel_requested_at is None
                 else common.format_relative(r.cancel_requested_at, now),
                 "-" if r.started_at is None else common.format_duration(now - r.started_at),
-                common.progress_text(r, note=False),
+                progress_text(r.progress_done, r.progress_total),
             )
         )
     if rows:

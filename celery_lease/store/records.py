@@ -166,6 +166,8 @@ class RunSummary:
     failure_code: str | None
     created_at: int
     updated_at: int
+    progress_done: float | None = None
+    progress_total: float | None = None
 
     @property
     def terminal(self) -> bool:

@@ -16,6 +16,7 @@ from celery import Celery
 
 from ..actions import ActionResult, cancel_run, rerun_run
 from ..owner import Owner
+from ..progress import progress_text
 from ..sanitize import sanitize
 from ..schema import (
     CANCELLED,
@@ -168,6 +169,7 @@ def run_row(run: RunSummary, now: int) -> dict[str, str]:
         "created": past(run.created_at, now),
         "updated": past(run.updated_at, now),
         "failure": run.failure_code or "",
+        "progress": progress_text(run.progress_done, run.progress_total),
     }
 
 
@@ -209,6 +211,12 @@ def run_fields(run: RunRecord, now: int) -> list[Field]:
         Field("owner", "owner", run.lease_owner or "-"),
         Field("heartbeat", "heartbeat", heartbeat if run.status == RUNNING else "-"),
         Field("lease", "time left", time_left(run, now)),
+        Field(
+            "progress",
+            "progress",
+            progress_text(run.progress_done, run.progress_total, run.progress_note),
+        ),
+        Field("checkpoint", "checkpoint", checkpoint_text(run, now)),
         Field("failure_code", "failure code", run.failure_code or "-"),
         Field(
             "last_error", "last error", "-" if run.last_error is None else sanitize(run.last_error)
@@ -225,6 +233,13 @@ def run_fields(run: RunRecord, now: int) -> list[Field]:
         Field("updated", "updated", past(run.updated_at, now)),
     ]
     return fields
+
+
+def checkpoint_text(run: RunRecord, now: int) -> str:
+    """The checkpoint's size and age (never its contents), or ``-``."""
+    if run.checkpoint is None:
+        return "-"
+    return f"{len(run.checkpoint.encode('utf-8')):,} bytes, saved {past(run.checkpoint_at, now)}"
 
 
 def run_view(run: RunRecord, now: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@
       cell(tr, r.task);
       var status = cell(tr, r.status_text);
       status.className = "status" + (STATUSES.indexOf(r.status) >= 0 ? " status-" + r.status : "");
-      [r.attempt, r.owner, r.lease, r.created, r.updated, r.failure].forEach(function (v) {
+      [r.attempt, r.owner, r.lease, r.progress, r.created, r.updated, r.failure].forEach(function (v) {
         cell(tr, v);
       });
       fresh.appendChild(tr);
@@ -41,7 +41,7 @@
     if (!data.rows.length) {
       var empty = document.createElement("tr");
       empty.className = "empty";
-      cell(empty, "no runs match").colSpan = 9;
+      cell(empty, "no runs match").colSpan = 10;
       fresh.appendChild(empty);
     }
     tbody.replaceChildren(fresh);
