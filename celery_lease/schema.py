@@ -61,7 +61,7 @@ TRACEPARENT_LENGTH = 55
 #: The stored message's type: MySQL's plain ``BLOB`` stops at 64 KiB.
 PayloadType = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
-#: Largest checkpoint, in bytes of its compact JSON encoding (UTF-8).
+#: Largest checkpoint, in bytes of its compact JSON encoding (ASCII, other characters escaped).
 MAX_CHECKPOINT_BYTES = 64 * 1024
 #: Longest progress note, in characters.
 MAX_PROGRESS_NOTE = 200
@@ -217,13 +217,14 @@ def encode_checkpoint(state: Any) -> str:
     """``state`` as compact JSON text, or :class:`LeaseInputError` (before any SQL runs).
 
     A JSON value (dict, list, str, int, float, bool, None; no NaN or infinity)
-    whose UTF-8 encoding is at most :data:`MAX_CHECKPOINT_BYTES`.
+    whose encoding is at most :data:`MAX_CHECKPOINT_BYTES`. The text is ASCII
+    (other characters escaped), so any column character set holds it.
     """
     try:
-        text = json.dumps(state, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(state, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise LeaseInputError("checkpoint", f"must be a JSON value: {exc}") from None
-    size = len(text.encode("utf-8"))
+    size = len(text)
     if size > MAX_CHECKPOINT_BYTES:
         raise LeaseInputError(
             "checkpoint",

@@ -61,13 +61,13 @@ def test_claim_returns_the_checkpoint_in_its_own_statements(store: LeaseStore) -
         seen.clear()
         claim(store, "r0", "Y")
     without = len(on_runs(seen))
-    lease_for(store, first).checkpoint({"next": 10, "s": "é"})
+    lease_for(store, first).checkpoint({"next": 10, "s": "é😀"})
     store.expire("r1")
     with driver_statements(store.engines) as seen:
         second = claim(store, "r1", "B")
     assert second.outcome == "claimed" and second.attempt == 2
     assert len(on_runs(seen)) == without
-    assert lease_for(store, second).last_checkpoint == {"next": 10, "s": "é"}
+    assert lease_for(store, second).last_checkpoint == {"next": 10, "s": "é😀"}
 
 
 @pytest.mark.timeout(60)
@@ -382,19 +382,22 @@ def test_checkpoint_survives_self_retry_and_bound_checked(cluster: Cluster) -> N
 def test_cold_shutdown_hand_back_resumes_from_the_checkpoint(cluster: Cluster) -> None:
     """A cold shutdown (SIGQUIT) hands the lease back at once; the worker taking the run
     over resumes from its last checkpoint."""
-    w1 = cluster.start("w1", **LONG_LEASE)
-    run_id = cluster.send("workerapp.resumable", 100, 10, 0.03)
+    workers = {name: cluster.start(name, **LONG_LEASE) for name in ("w1", "w2")}
+    # 8 s of work: the cold shutdown stops it long before it ends, even on a loaded machine.
+    run_id = cluster.send("workerapp.resumable", 200, 10, 0.04)
     wait_for(lambda: kinds(cluster, run_id, "ckpt"), 30, what="attempt 1's first checkpoint")
-    cluster.start("w2", **LONG_LEASE)
-    w1.proc.send_signal(signal.SIGQUIT)  # the main process only: a cold shutdown
-    w1.proc.wait(30)
-    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="w2 to finish the run")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.lease_owner is not None
+    holder = workers[row.lease_owner.partition("@")[0]]
+    holder.proc.send_signal(signal.SIGQUIT)  # the main process only: a cold shutdown
+    holder.proc.wait(30)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="the other to finish")
     resumes = kinds(cluster, run_id, "resume")
     returned = max(int(n) for a, n in kinds(cluster, run_id, "ckpt") if a == 1)
     assert resumes[0] == (1, "0:0") and resumes[1][0] == 2
     assert int(resumes[1][1].split(":")[0]) in (returned, returned + 10)
     done = items_done(cluster, run_id)
-    assert sorted(set(done)) == list(range(100)) and len(done) - 100 <= 10
+    assert sorted(set(done)) == list(range(200)) and len(done) - 200 <= 10
 
 
 @pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)

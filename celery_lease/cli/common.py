@@ -232,7 +232,7 @@ def record_data(record: RunRecord, now: int) -> dict[str, Any]:
         else None
     )
     data["checkpoint_bytes"] = (
-        None if record.checkpoint is None else len(record.checkpoint.encode("utf-8"))
+        None if record.checkpoint is None else len(record.checkpoint.encode())
     )
     data["checkpoint_at"] = record.checkpoint_at
     for name in ("progress_done", "progress_total", "progress_note", "progress_at"):

@@ -321,11 +321,6 @@ class Lease:
         """
         self._progress = Progress(*check_progress(done, total, note))
 
-    @property
-    def reported_progress(self) -> Progress | None:
-        """The latest progress the body reported (written or not), or None."""
-        return self._progress
-
     def pending_progress(self) -> Progress | None:
         """The progress a renewal should write now: reported and not written yet."""
         progress = self._progress
