@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from celery import Celery
@@ -42,6 +43,18 @@ class Subscriber(Protocol):
         ...
 
 
+class Pump(Protocol):
+    """What publishes held deliveries as they come due (:class:`celery_lease.flow.FlowPump`)."""
+
+    def wake(self) -> None:
+        """A delivery was held: make sure the pump runs."""
+        ...
+
+    def stop(self, timeout: float) -> None:
+        """Stop the pump's thread, waiting at most ``timeout`` seconds."""
+        ...
+
+
 class AppRuntime:
     """Everything celery-lease keeps for one app in this process."""
 
@@ -60,6 +73,8 @@ class AppRuntime:
         self.events = EventBus()
         self._metrics: Subscriber | None = None
         self.installed = False
+        #: The flow pump of each lease database in this process: ``(pid, pump)``.
+        self.pumps: dict[str, tuple[int, Pump]] = {}
 
     @property
     def metrics(self) -> Subscriber | None:
@@ -93,6 +108,16 @@ class AppRuntime:
         self.config = None
         self.task_configs.clear()
 
+    def pump_for(self, url: str, make: Callable[[], Pump]) -> Pump:
+        """This process's pump for lease database ``url``, made by ``make`` on first use
+        (a forked child makes its own: threads do not survive a fork)."""
+        pid = os.getpid()
+        with _runtime_lock:
+            found = self.pumps.get(url)
+            if found is None or found[0] != pid:
+                found = self.pumps[url] = (pid, make())
+        return found[1]
+
     def reset(self) -> None:
         """Stop the heartbeats, close the stores, forget the settings, drop the listeners.
 
@@ -102,6 +127,10 @@ class AppRuntime:
         self.events.clear()
         self._metrics = None
         self.installed = False
+        pumps = [pump for pid, pump in self.pumps.values() if pid == os.getpid()]
+        self.pumps.clear()
+        for pump in pumps:
+            pump.stop(5.0)
         databases = list(self.databases.values())
         self.databases.clear()
         for runtime in databases:

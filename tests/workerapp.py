@@ -561,3 +561,36 @@ if os.environ.get("CL_TASK_DB"):
             time.sleep(0.05)
         record(self.lease.run_id, self.lease.attempt, "commit")
         return "own"
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.per_account",
+    lease_concurrency_key=lambda account, seconds=0.0: f"acct-{account}",
+)
+def per_account(self: LeasedTask, account: str, seconds: float = 0.0) -> str:
+    """Flow control by key: record the body's start, sleep, return the account."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    time.sleep(seconds)
+    return account
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.rate5", lease_rate_limit="5/s")
+def rate5(self: LeasedTask, n: int) -> int:
+    """Limited to 5/s across every worker: record the body's start."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return n
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.rate_keyed",
+    lease_rate_limit="5/s",
+    lease_rate_key=lambda account, n: account,
+)
+def rate_keyed(self: LeasedTask, account: str, n: int) -> int:
+    """Limited to 5/s per account across every worker: record the start, by account."""
+    record(self.lease.run_id, self.lease.attempt, f"start-{account}")
+    return n

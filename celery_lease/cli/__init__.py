@@ -6,7 +6,7 @@ group when imported; importing this package imports them all.
 
 from __future__ import annotations
 
-from . import maintenance, runs, top
+from . import flow, maintenance, runs, top
 from .common import lease
 
-__all__ = ["lease", "maintenance", "runs", "top"]
+__all__ = ["flow", "lease", "maintenance", "runs", "top"]

@@ -22,7 +22,10 @@ from .records import PURGE_BATCH as PURGE_BATCH
 from .records import Activity as Activity
 from .records import ClaimOutcome as ClaimOutcome
 from .records import ClaimResult as ClaimResult
+from .records import FlowCounts as FlowCounts
 from .records import HeartbeatResult as HeartbeatResult
+from .records import HeldRecord as HeldRecord
 from .records import LeaseKey as LeaseKey
+from .records import Pause as Pause
 from .records import RunRecord as RunRecord
 from .sqlite import SQLITE_AUTOCOMMIT as SQLITE_AUTOCOMMIT
