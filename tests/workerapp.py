@@ -594,3 +594,18 @@ def rate_keyed(self: LeasedTask, account: str, n: int) -> int:
     """Limited to 5/s per account across every worker: record the start, by account."""
     record(self.lease.run_id, self.lease.attempt, f"start-{account}")
     return n
+
+
+if os.environ.get("CL_RATE_LIMIT"):
+    # The flow-control benchmark: a task limited to CL_RATE_LIMIT across every worker.
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        name="workerapp.rate_env",
+        lease_rate_limit=os.environ["CL_RATE_LIMIT"],
+    )
+    def rate_env(self: LeasedTask, n: int) -> int:
+        """Record the body's start; nothing else."""
+        record(self.lease.run_id, self.lease.attempt, "start")
+        return n
