@@ -216,13 +216,18 @@ def test_statements_per_task_unlimited_two_limited_three(app: Celery) -> None:
 
 @pytest.mark.timeout(30)
 def test_direct_call_of_a_paused_task_raises_busy(app: Celery) -> None:
-    """A plain call of a paused task does not run its body: LeaseBusy names the pause."""
+    """A plain call of a paused task does not run its body: LeaseBusy names the pause;
+    ``cancel_running`` asks the running runs to stop."""
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="flowproc.direct")
     def direct(self: LeasedTask) -> str:
         return "ran"
 
-    celery_lease.pause(app, "flowproc.direct", reason="audit")
+    store = store_for(app)
+    store.claim("held-run", "o", task_name="flowproc.direct", lease_ms=30_000, max_attempts=3)
+    celery_lease.pause(app, "flowproc.direct", reason="audit", cancel_running=True)
+    row = store.get("held-run")  # --cancel-running: its worker stops it within a heartbeat
+    assert row is not None and row.cancel_requested_at is not None
     with pytest.raises(LeaseBusy, match="paused: audit"):
         direct()
     assert celery_lease.resume(app, "flowproc.direct") == 0
@@ -243,10 +248,13 @@ def test_deferred_deliveries_wait_in_the_database_and_the_pump_sends_them(app: C
 
     slow.lease_rate_limit = "2/s"
     store = store_for(app)
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+    worker = start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10)
+    with worker, driver_statements(store.engines) as seen:
         results = [slow.delay(n) for n in range(10)]
         wait_for(lambda: held(store, HELD_RATE) >= 1, 20, what="a delivery held for later")
         assert [r.get(timeout=30) for r in results] == list(range(10))
+    # Each delivery took one slot: a deferred one comes back with it and asks no more.
+    assert sum("celery_lease_rates" in stmt for _, stmt in seen) == 10
     assert sorted(n for n, _ in ran) == list(range(10))
     times = sorted(t for _, t in ran)
     assert 9 / (times[-1] - times[0]) <= 2.3
