@@ -18,7 +18,7 @@ from celery import Celery
 
 from .errors import LeaseError
 from .requeue import MessageNotAccepted, decode_message
-from .runtime import app_runtime, runtime_for, store_for
+from .runtime import app_runtime, lease_databases, runtime_for, store_for
 from .sanitize import describe_exception
 from .schema import HELD_RATE
 from .store import HeldRecord, LeaseStore
@@ -233,6 +233,12 @@ class FlowPump:
                     describe_exception(exc),
                     extra={"lease_event": "sweep_error"},
                 )
+                if not getattr(exc, "transient", False):
+                    # A missing table (run `lease migrate`) does not heal by itself:
+                    # stop; the next held delivery or the sweeper tries again.
+                    with self._lock:
+                        self._thread = None
+                    return
                 found = PUMP_TICK
             except Exception:
                 logger.exception("celery-lease: flow pump tick failed")
@@ -249,3 +255,12 @@ def pump_for(app: Celery, url: str, store: LeaseStore) -> FlowPump:
     pump = app_runtime(app).pump_for(url, lambda: FlowPump(app, store))
     assert isinstance(pump, FlowPump)
     return pump
+
+
+def wake_pumps(app: Celery) -> None:
+    """Look once at every lease database of ``app`` for held rate-limited deliveries and
+    keep publishing them as they come due (a worker starting after the ones that held
+    them stopped); each pump ends once nothing is held."""
+    for config in lease_databases(app):
+        store = runtime_for(app, config).store
+        pump_for(app, config.database_url, store).wake()
