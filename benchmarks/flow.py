@@ -79,14 +79,8 @@ def achieved(admin: str, redis: str, limit: str, tasks: int) -> list[object]:
             at = sorted(row.at for row in cluster.effects_of_kind("start"))
             rate = (len(at) - 1) / (at[-1] - at[0])
             once = len({row.run_id for row in cluster.effects_of_kind("start")}) == len(ids)
-            configured = float(limit.split("/")[0])
-            return [
-                limit,
-                tasks,
-                f"{rate:.2f}/s",
-                f"{rate / configured:.3f}",
-                "yes" if once else "NO",
-            ]
+            ratio = "-" if limit == "none" else f"{rate / float(limit.split('/')[0]):.3f}"
+            return [limit, tasks, f"{rate:.2f}/s", ratio, "yes" if once else "NO"]
         finally:
             for worker in workers:
                 worker.stop()
