@@ -355,14 +355,15 @@ def test_rate_limit_holds_across_two_workers_of_four_processes(cluster: Cluster)
 @TWO_SETUPS
 @pytest.mark.timeout(150)
 def test_each_rate_key_gets_its_own_rate(cluster: Cluster) -> None:
-    """lease_rate_key: two accounts at 5/s each run at their own 5/s, side by side."""
+    """lease_rate_key: two accounts limited to 2/s each run at their own 2/s side by side
+    (one shared bucket would give each 1/s)."""
     cluster.start("w1", concurrency=4)
-    ids = [cluster.send("rate_keyed", account, n) for n in range(20) for account in ("a", "b")]
-    wait_for(lambda: sum(cluster.status(i) == "succeeded" for i in ids) == 40, 90, what="40 runs")
+    ids = [cluster.send("rate_keyed", account, n) for n in range(12) for account in ("a", "b")]
+    wait_for(lambda: sum(cluster.status(i) == "succeeded" for i in ids) == 24, 90, what="24 runs")
     for account in ("a", "b"):
         at = starts(cluster, f"start-{account}")
-        assert len(at) == 20
+        assert len(at) == 12
         rate = (len(at) - 1) / (at[-1] - at[0])
-        assert 4.0 <= rate <= 5.5, (account, rate)
+        assert 1.6 <= rate <= 2.2, (account, rate)
     both = starts(cluster, "start-a") + starts(cluster, "start-b")
-    assert (len(both) - 1) / (max(both) - min(both)) > 7.0  # the keys did not share one bucket
+    assert (len(both) - 1) / (max(both) - min(both)) > 3.2  # not one shared bucket

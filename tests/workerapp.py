@@ -587,11 +587,11 @@ def rate5(self: LeasedTask, n: int) -> int:
     base=LeasedTask,
     bind=True,
     name="workerapp.rate_keyed",
-    lease_rate_limit="5/s",
+    lease_rate_limit="2/s",
     lease_rate_key=lambda account, n: account,
 )
 def rate_keyed(self: LeasedTask, account: str, n: int) -> int:
-    """Limited to 5/s per account across every worker: record the start, by account."""
+    """Limited to 2/s per account across every worker: record the start, by account."""
     record(self.lease.run_id, self.lease.attempt, f"start-{account}")
     return n
 
