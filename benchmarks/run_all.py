@@ -116,7 +116,7 @@ def render(
     settings: str = "not recorded",
 ) -> str:
     """The page: how it was made, the tables, and what limits the figures."""
-    from . import worker_cpu  # its section is kept as it is
+    from . import flow, worker_cpu  # their sections are kept as they are
 
     today = datetime.date.today().isoformat()
     env = ", ".join(f"{k} {v}" for k, v in versions.items())
@@ -189,6 +189,9 @@ def render(
         "",
         # The CPU accounting (benchmarks.worker_cpu, benchmarks.hotpath): kept as it is.
         worker_cpu.kept_section(page),
+        "",
+        # Flow control (python -m benchmarks.flow): kept as it is.
+        flow.kept_section(page),
     ]
     return "\n".join(str(p) for p in parts).rstrip() + "\n"
 

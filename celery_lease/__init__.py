@@ -17,6 +17,7 @@ from .errors import (
     RunCancelled,
     RunFailed,
 )
+from .flow import pause, resume
 from .lease.lease import Lease, current_lease
 from .run.task import LeasedTask
 from .runtime import store_for
@@ -38,6 +39,8 @@ __all__ = [
     "RunFailed",
     "current_lease",
     "install",
+    "pause",
+    "resume",
     "store_for",
 ]
 __version__ = "0.1.0"

@@ -41,6 +41,10 @@ MAX_BACKOFF_SECONDS = DAY
 MAX_SWEEP_INTERVAL = DAY
 MAX_ATTEMPTS = 10_000
 MAX_CONCURRENCY = 100_000
+#: The fastest ``lease_rate_limit``: one slot per millisecond, the clock's resolution.
+MAX_RATE_PER_SECOND = 1000.0
+MAX_RATE_BURST = 100_000
+_RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 #: ``lease_retention`` when unset: a week of finished rows (see the settings docs).
 DEFAULT_RETENTION_SECONDS = 7 * DAY
 #: Ten years: a week given in milliseconds (19 years) is caught as a unit mistake.
@@ -64,6 +68,9 @@ SETTING_NAMES = (
     "lease_concurrency_key",
     "lease_max_concurrency",
     "lease_sweep_interval",
+    "lease_rate_limit",
+    "lease_rate_key",
+    "lease_rate_burst",
 )
 
 
@@ -128,6 +135,17 @@ class LeaseConfig:
     sweep_interval: float = 60.0
     #: Seconds a finished run's row is kept (the de-duplication window); None: forever.
     retention: float | None = DEFAULT_RETENTION_SECONDS
+    #: ``lease_rate_limit`` as given (``"20/s"``), None: unlimited.
+    rate_limit: str | None = None
+    rate_key: KeyFunc | None = None
+    rate_burst: int = 1
+
+    @property
+    def rate_period_ms(self) -> int | None:
+        """Milliseconds between two slots of ``lease_rate_limit``; None when unlimited."""
+        if self.rate_limit is None:
+            return None
+        return max(1, round(1000.0 / parse_rate(self.rate_limit)))
 
     @property
     def lease_ms(self) -> int:
@@ -182,6 +200,9 @@ class LeaseConfig:
             max_concurrency=max_concurrency,
             sweep_interval=sweep_interval(conf),
             retention=_retention(conf),
+            rate_limit=_rate_limit(conf),
+            rate_key=_callable(conf, "lease_rate_key"),
+            rate_burst=_positive_int(conf, "lease_rate_burst", 1, MAX_RATE_BURST),
         )
 
     @classmethod
@@ -222,6 +243,9 @@ class LeaseConfig:
             "lease_max_concurrency": self.max_concurrency,
             "lease_sweep_interval": self.sweep_interval,
             "lease_retention": self.retention,
+            "lease_rate_limit": self.rate_limit,
+            "lease_rate_key": self.rate_key,
+            "lease_rate_burst": self.rate_burst,
         }
 
 
@@ -262,6 +286,47 @@ def _retention(conf: Mapping[str, Any]) -> float | None:
             f"None keeps rows forever), got {value!r}"
         )
     return seconds
+
+
+def parse_rate(text: str) -> float:
+    """Slots per second of a rate such as ``"20/s"``, ``"300/m"``, ``"1.5/h"``.
+
+    Raises:
+        ValueError: not ``N/s``, ``N/m`` or ``N/h`` with N a positive number.
+    """
+    amount, slash, unit = text.strip().partition("/")
+    if not slash or unit.strip() not in _RATE_UNITS:
+        raise ValueError(f"{text!r} is not N/s, N/m or N/h")
+    try:
+        value = float(amount)
+    except ValueError:
+        raise ValueError(f"{text!r}: {amount.strip()!r} is not a number") from None
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{text!r}: the rate must be positive")
+    return value / _RATE_UNITS[unit.strip()]
+
+
+def _rate_limit(conf: Mapping[str, Any]) -> str | None:
+    """``lease_rate_limit``: ``"N/s"``, ``"N/m"`` or ``"N/h"``, at most 1000 per second."""
+    value = conf.get("lease_rate_limit")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ImproperlyConfigured(
+            f"lease_rate_limit must be a string such as '20/s', '300/m' or '100/h', got {value!r}"
+        )
+    try:
+        per_second = parse_rate(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(
+            f"lease_rate_limit must look like '20/s', '300/m' or '100/h': {exc}"
+        ) from None
+    if per_second > MAX_RATE_PER_SECOND:
+        raise ImproperlyConfigured(
+            f"lease_rate_limit must be at most {MAX_RATE_PER_SECOND:g}/s (one slot per "
+            f"millisecond, the lease clock's resolution), got {value!r}"
+        )
+    return value
 
 
 def _number(conf: Mapping[str, Any], key: str, default: float) -> float:

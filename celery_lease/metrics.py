@@ -28,6 +28,9 @@ Exported (names as Prometheus shows them):
 - ``celery_lease_progress_writes_total``: progress reports a renewal wrote.
 - ``celery_lease_progress_ratio{task}``: ``done / total`` of the latest progress
   written for a run of ``task`` (reports without a total are not shown).
+- ``celery_lease_paused_total{task,key}``: deliveries of paused work held until resume.
+- ``celery_lease_deferred_total{task,key}``: deliveries deferred by ``lease_rate_limit``
+  (``key`` is the rate key); ``lease stats`` and ``lease top`` show how many wait now.
 - ``celery_lease_heartbeat_seconds``: latency of one batched heartbeat statement.
 - ``celery_lease_last_sweep_timestamp_seconds{database}``: when the last sweep of
   each lease database (password masked) ran, as a Unix time: seen by the process
@@ -148,6 +151,18 @@ class LeaseMetrics:
             multiprocess_mode="mostrecent",
             **kw,
         )
+        self.paused = prom.Counter(
+            "celery_lease_paused",
+            "Deliveries of paused work held until resume, by task and concurrency key.",
+            ["task", "key"],
+            **kw,
+        )
+        self.deferred = prom.Counter(
+            "celery_lease_deferred",
+            "Deliveries deferred by lease_rate_limit, by task and rate key.",
+            ["task", "key"],
+            **kw,
+        )
         self.heartbeat = prom.Histogram(
             "celery_lease_heartbeat_seconds",
             "Latency of one batched heartbeat statement.",
@@ -180,6 +195,9 @@ class LeaseMetrics:
             self.failures.labels(outcome=event).inc()
         elif event == "swept":
             self.sweep_recovered.labels(action=str(fields.get("action") or "unknown")).inc()
+        elif event in ("paused", "deferred"):
+            counter = self.paused if event == "paused" else self.deferred
+            counter.labels(task=str(fields.get("task")), key=str(fields.get("key") or "")).inc()
         elif event == "duplicate_dropped":
             self.duplicates.inc()
         elif event in ("claim_error", "claim_failed", "fail_error"):

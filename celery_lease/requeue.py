@@ -29,6 +29,8 @@ class SweepReport:
     errors: list[str] = dataclasses.field(default_factory=list)
     #: Finished rows deleted by the retention step, per status.
     purged: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Deliveries held by flow control that the sweep published.
+    released: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain data (the sweep task's result)."""

@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -62,6 +63,10 @@ class Traced(Protocol):
         """A ``celery_lease.<name>`` span around a block of the lease's."""
         ...
 
+    def ended(self, outcome: str) -> None:
+        """End the claim span with ``outcome``: the delivery stopped before its claim."""
+        ...
+
     def end(self) -> None:
         """The delivery is over."""
         ...
@@ -72,6 +77,18 @@ class Tracing(Subscriber, Protocol):
 
     def begin(self, task_name: str, run_id: str, owner: str) -> Traced | None:
         """Start a delivery's claim span; None when nothing records."""
+        ...
+
+
+class Pump(Protocol):
+    """What publishes held deliveries as they come due (:class:`celery_lease.flow.FlowPump`)."""
+
+    def wake(self) -> None:
+        """A delivery was held: make sure the pump runs."""
+        ...
+
+    def stop(self, timeout: float) -> None:
+        """Stop the pump's thread, waiting at most ``timeout`` seconds."""
         ...
 
 
@@ -97,6 +114,8 @@ class AppRuntime:
         #: Spans of ``lease_tracing`` (``celery-lease[otel]``), when on.
         self.tracing: Tracing | None = None
         self.installed = False
+        #: The flow pump of each lease database in this process: ``(pid, pump)``.
+        self.pumps: dict[str, tuple[int, Pump]] = {}
 
     @property
     def metrics(self) -> Subscriber | None:
@@ -140,6 +159,16 @@ class AppRuntime:
         self.task_configs.clear()
         self.result_format = None
 
+    def pump_for(self, url: str, make: Callable[[], Pump]) -> Pump:
+        """This process's pump for lease database ``url``, made by ``make`` on first use
+        (a forked child makes its own: threads do not survive a fork)."""
+        pid = os.getpid()
+        with _runtime_lock:
+            found = self.pumps.get(url)
+            if found is None or found[0] != pid:
+                found = self.pumps[url] = (pid, make())
+        return found[1]
+
     def reset(self) -> None:
         """Stop the heartbeats, close the stores, forget the settings, drop the listeners.
 
@@ -151,6 +180,10 @@ class AppRuntime:
         self._metrics = None
         self.tracing = None
         self.installed = False
+        pumps = [pump for pid, pump in self.pumps.values() if pid == os.getpid()]
+        self.pumps.clear()
+        for pump in pumps:
+            pump.stop(5.0)
         databases = list(self.databases.values())
         self.databases.clear()
         for runtime in databases:

@@ -150,6 +150,58 @@ sweeps = Table(
 )
 
 
+#: Why a delivery is held in ``celery_lease_held``: its task (or key) is paused, or it
+#: waits for its turn under ``lease_rate_limit``.
+HELD_PAUSED = "paused"
+HELD_RATE = "rate"
+
+#: One row per pause: a task name, and a concurrency key or ``""`` for every key.
+pauses = Table(
+    "celery_lease_pauses",
+    metadata,
+    Column("task_name", String(255), primary_key=True),
+    Column("pause_key", String(255), primary_key=True),
+    Column("reason", Text, nullable=True),
+    Column("paused_at", BigInteger, nullable=False),
+)
+
+#: The fleet-wide rate limits' state (GCRA): per task and rate key (``""`` for none),
+#: the theoretical arrival time of the next delivery, epoch ms (DB clock).
+rates = Table(
+    "celery_lease_rates",
+    metadata,
+    Column("task_name", String(255), primary_key=True),
+    Column("rate_key", String(255), primary_key=True),
+    Column("tat", BigInteger, nullable=False),
+)
+
+#: Deliveries held back by flow control, with their message: paused ones (published
+#: again on resume, in ``seq`` order) and rate-limited ones (published when due).
+held = Table(
+    "celery_lease_held",
+    metadata,
+    Column(
+        "seq",
+        BigInteger().with_variant(Integer(), "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    Column("reason", String(16), nullable=False),
+    Column("task_name", String(255), nullable=False),
+    Column("flow_key", String(255), nullable=False),
+    Column("run_id", String(255), nullable=False),
+    Column("task_id", String(255), nullable=False),
+    Column("payload", PayloadType, nullable=False),
+    Column("payload_content_type", String(64), nullable=False),
+    Column("available_at", BigInteger, nullable=False),
+    # Set by whoever publishes the row; another may take it over once it is stale.
+    Column("taken_at", BigInteger, nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Index("ix_celery_lease_held_reason_available", "reason", "available_at"),
+    Index("ix_celery_lease_held_task", "task_name", "flow_key", "seq"),
+)
+
+
 class db_now_ms(FunctionElement[int]):
     """The database server's clock in epoch milliseconds, as a SQL expression.
 

@@ -11,6 +11,7 @@ from typing import Any
 from celery import Celery
 
 from .errors import LeaseError
+from .flow import release
 from .requeue import SweepReport, requeue_all
 from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
 from .run.outcome import record_ended
@@ -90,6 +91,16 @@ def sweep(
         else:
             stranded.append(record)
     requeue_all(app, stranded, report, "stranded", store)
+    try:
+        # Flow control's backstop: deliveries a resume did not publish (it died
+        # halfway), and rate-limited ones coming due that no pump is sending.
+        report.released.extend(release(app, store, limit=limit))
+    except LeaseError as exc:
+        logger.warning(
+            "celery-lease: could not publish held deliveries (run `lease migrate`?): %s",
+            describe_exception(exc),
+            extra={"lease_event": "sweep_error"},
+        )
     record_ended(app, store, report.failed + report.cancelled)
     if purge_limit:
         report.purged.update(
@@ -108,7 +119,7 @@ def _record(app: Celery, store: LeaseStore, name: str, report: SweepReport, took
             name,
             sweeper=f"{socket.gethostname()}:{os.getpid()}",
             took_ms=round(took * 1000),
-            requeued=len(report.requeued),
+            requeued=len(report.requeued) + len(report.released),
             failed=len(report.failed),
             cancelled=len(report.cancelled),
             purged=sum(report.purged.values()),

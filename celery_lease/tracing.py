@@ -173,6 +173,13 @@ class AttemptTrace:
             {**self.attributes, **{f"celery_lease.{k}": v for k, v in attributes.items()}},
         )
 
+    def ended(self, outcome: str) -> None:
+        """End the claim span with ``outcome``: the delivery stopped before its claim
+        (``rate_limited``: deferred to its turn under ``lease_rate_limit``)."""
+        span = self._claim_span
+        span.set_attribute(OUTCOME, outcome)
+        span.end()
+
     def end(self) -> None:
         """The delivery is over: no more events for its task span."""
         if self._key is not None:

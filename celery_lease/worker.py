@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 
 from .config import LeaseConfig, celery_command, check_app_settings, check_task_options
 from .errors import LeaseDatabaseError
+from .flow import wake_pumps
 from .liveness import SweepWatch, watch_sweeps
 from .requeue import SweepReport, requeue_all
 from .run.outcome import record_ended
@@ -250,6 +251,10 @@ def _connect_receivers(app: Celery) -> None:
                 watches.append(watch_sweeps(found))
             except Exception as exc:  # a hook never takes the worker down
                 logger.warning("celery-lease: sweep watch not started: %s", exc)
+            try:
+                wake_pumps(found)  # rate-limited deliveries held by workers gone since
+            except Exception as exc:
+                logger.warning("celery-lease: flow pump not started: %s", exc)
 
     def shutting_down(sender: Any = None, how: str = "Warm", **kwargs: Any) -> None:
         for watch in watches:

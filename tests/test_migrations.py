@@ -27,7 +27,7 @@ from celery_lease.migrations import (
     upgrade,
 )
 from celery_lease.migrations.lock import migration_lock
-from celery_lease.schema import SWEEPS_TABLE_NAME, TABLE_NAME, metadata
+from celery_lease.schema import TABLE_NAME, metadata
 from celery_lease.store import LeaseStore
 from tests.helpers import REPO
 
@@ -62,7 +62,7 @@ def test_upgrade_head_matches_package_metadata(db_url: str) -> None:
     result = upgrade(db_url)
     assert (result.before, result.after, result.adopted) == (None, head(), False)
     assert _differences(db_url) == []
-    assert _tables(db_url) == {TABLE_NAME, SWEEPS_TABLE_NAME, VERSION_TABLE}
+    assert _tables(db_url) == {*metadata.tables, VERSION_TABLE}
 
 
 def test_upgrade_twice_is_a_no_op(db_url: str) -> None:
@@ -193,7 +193,7 @@ def test_two_migrate_runs_at_once_leave_one_schema(db_url: str, tmp_path: Path) 
         versions = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
     engine.dispose()
     assert versions == [head()]
-    assert _tables(db_url) == {TABLE_NAME, SWEEPS_TABLE_NAME, VERSION_TABLE}
+    assert _tables(db_url) == {*metadata.tables, VERSION_TABLE}
     assert _differences(db_url) == []
 
 

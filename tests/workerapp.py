@@ -636,3 +636,51 @@ if os.environ.get("CL_TASK_DB"):
             time.sleep(0.05)
         record(self.lease.run_id, self.lease.attempt, "commit")
         return "own"
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.per_account",
+    lease_concurrency_key=lambda account, seconds=0.0: f"acct-{account}",
+)
+def per_account(self: LeasedTask, account: str, seconds: float = 0.0) -> str:
+    """Flow control by key: record the body's start, sleep, return the account."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    time.sleep(seconds)
+    return account
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.rate5", lease_rate_limit="5/s")
+def rate5(self: LeasedTask, n: int) -> int:
+    """Limited to 5/s across every worker: record the body's start."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return n
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.rate_keyed",
+    lease_rate_limit="2/s",
+    lease_rate_key=lambda account, n: account,
+)
+def rate_keyed(self: LeasedTask, account: str, n: int) -> int:
+    """Limited to 2/s per account across every worker: record the start, by account."""
+    record(self.lease.run_id, self.lease.attempt, f"start-{account}")
+    return n
+
+
+if os.environ.get("CL_RATE_LIMIT"):
+    # The flow-control benchmark: a task limited to CL_RATE_LIMIT across every worker.
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        name="workerapp.rate_env",
+        lease_rate_limit=os.environ["CL_RATE_LIMIT"],
+    )
+    def rate_env(self: LeasedTask, n: int) -> int:
+        """Record the body's start; nothing else."""
+        record(self.lease.run_id, self.lease.attempt, "start")
+        return n

@@ -188,10 +188,32 @@ def _stats_of(store: LeaseStore, shown: str) -> dict[str, Any]:
         last = store.last_sweep()
     except LeaseError:  # no celery_lease_sweeps table yet: `lease migrate` adds it
         last = None
+    try:
+        held = store.flow_counts()
+        paused_tasks = store.list_pauses()
+    except LeaseError:  # no flow-control tables yet: `lease migrate` adds them
+        held, paused_tasks = None, []
     return {
         "database": shown,
         "error": None,
         "db_now": now,
+        "flow": {
+            "paused": [
+                {"task_name": p.task_name, "key": p.key or None, "since": p.paused_at}
+                for p in paused_tasks
+            ],
+            "held": []
+            if held is None
+            else [
+                {
+                    "task_name": task,
+                    "key": key or None,
+                    "paused": held.paused.get((task, key), 0),
+                    "deferred": held.deferred.get((task, key), 0),
+                }
+                for task, key in sorted({*held.paused, *held.deferred})
+            ],
+        },
         "counts": counts,
         "total": sum(counts.values()),
         "live_leases": data["live_leases"],
@@ -274,11 +296,32 @@ def _print_stats(data: dict[str, Any]) -> None:
             "in the last hour; a run re-claimed and finished since no longer carries it)",
         ),
         ("last sweep", sweep_text),
+        ("paused", _paused_text(data["flow"])),
+        ("held deliveries", _held_text(data["flow"])),
         ("lease lost at workers", f"not recorded: {_NOT_RECORDED}"),
     ]
     label_width = max(len(label) for label, _ in facts)
     for label, text in facts:
         click.echo(f"{label.ljust(label_width)}  {text}")
+
+
+def _paused_text(flow: dict[str, Any]) -> str:
+    """What is paused, for ``lease stats``."""
+    paused = [
+        p["task_name"] + ("" if p["key"] is None else f" (key {p['key']})") for p in flow["paused"]
+    ]
+    return ", ".join(paused) if paused else "nothing"
+
+
+def _held_text(flow: dict[str, Any]) -> str:
+    """Deliveries held per task and key, paused and deferred (rate limit), for ``lease stats``."""
+    held = [
+        h["task_name"]
+        + ("" if h["key"] is None else f" (key {h['key']})")
+        + f": paused {h['paused']}, deferred {h['deferred']}"
+        for h in flow["held"]
+    ]
+    return "; ".join(held) if held else "none"
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}

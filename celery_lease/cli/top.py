@@ -7,6 +7,7 @@ import time
 
 import click
 
+from ..errors import LeaseError
 from ..progress import progress_text
 from ..schema import (
     QUEUED,
@@ -29,6 +30,11 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
     Run ids longer than :data:`~celery_lease.cli.common.ID_WIDTH` are cut unless ``wide``.
     """
     activity = store.activity(store.now_ms())
+    try:
+        flow = store.flow_counts()
+        paused_tasks = store.list_pauses()
+    except LeaseError:  # no flow-control tables yet: `lease migrate` adds them
+        flow, paused_tasks = None, []
     leases = store.live_leases(limit)
     now = activity.now
     counts = activity.counts
@@ -41,8 +47,23 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
         "last 60s  "
         + "  ".join(f"{status} {ended[status]}" for status in sorted(ended))
         + f"  retries/min {activity.retried_recently}",
-        "",
     ]
+    if paused_tasks:
+        lines.append(
+            "paused    "
+            + "  ".join(p.task_name + (f"[{p.key}]" if p.key else "") for p in paused_tasks)
+        )
+    if flow is not None and (flow.paused or flow.deferred):
+        held = sorted({*flow.paused, *flow.deferred})
+        lines.append(
+            "held      "
+            + "  ".join(
+                f"{task}{f'[{key}]' if key else ''} paused {flow.paused.get((task, key), 0)}"
+                f" deferred {flow.deferred.get((task, key), 0)}"
+                for task, key in held
+            )
+        )
+    lines.append("")
     rows = []
     for r in leases:
         left = "-" if r.lease_expires_at is None else r.lease_expires_at - now

@@ -27,7 +27,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, inspect
 
 from ..errors import LeaseError
-from ..schema import SWEEPS_TABLE_NAME, TABLE_NAME, metadata
+from ..schema import TABLE_NAME, metadata
 from .lock import DEFAULT_LOCK_TIMEOUT, MigrationLockTimeout, migration_lock
 
 __all__ = [
@@ -71,7 +71,7 @@ class MigrationResult:
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     """Autogenerate filter: only celery-lease's own tables, never the application's."""
     if type_ == "table":
-        return name in (TABLE_NAME, SWEEPS_TABLE_NAME)
+        return name in metadata.tables
     return True
 
 

@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
+from .. import flow
 from ..config import LeaseConfig
 from ..errors import (
     LeaseBusy,
@@ -160,6 +161,17 @@ class Attempt:
             if tracing is not None:
                 self.trace = tracing.begin(task.name, run_id, owner)
             trace = self.trace
+            period = config.rate_period_ms
+            if period is not None and not self.direct and not flow.has_slot(request):
+                # The fleet-wide rate limit: one more statement, only for a limited task.
+                key = runids.rate_key(task.name, config, self.args, self.kwargs)
+                wait_ms, due_ms = runtime.store.reserve_rate(
+                    task.name, key, period, config.rate_burst
+                )
+                if wait_ms > 0:
+                    if trace is not None:
+                        trace.ended("rate_limited")
+                    republish.defer(self, key, wait_ms, due_ms)
             started_at = time.monotonic()  # before the claim is sent: the lease's local deadline
             claim = runtime.store.claim(
                 run_id,
@@ -187,6 +199,8 @@ class Attempt:
             return duplicates.on_finished(self, claim)
         if claim.outcome == "busy":
             republish.on_busy(self, claim)
+        if claim.outcome == "paused":
+            republish.on_paused(self, claim)
         runtime.events.emit(
             "claimed",
             run_id,

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
+from .. import flow
 from ..config import LeaseConfig
 from ..errors import (
     LeaseBusy,
@@ -26,7 +27,7 @@ from ..errors import (
     LeaseInputError,
 )
 from ..sanitize import describe_exception
-from ..schema import RUNNING
+from ..schema import HELD_PAUSED, HELD_RATE, RUNNING
 from ..store import ClaimResult
 from .runids import Delivery, encode
 
@@ -345,3 +346,108 @@ def keep_for_sweeper(
             level=logging.WARNING,
         )
     return kept
+
+
+def on_paused(delivery: Delivery, claim: ClaimResult) -> NoReturn:
+    """The run's task (or its concurrency key) is paused: keep this delivery in the lease
+    database, with its message, and drop it; ``resume`` publishes it again. No attempt is
+    used. A plain call raises :class:`LeaseBusy`."""
+    task, request, run_id = delivery.task, delivery.request, delivery.run_id
+    paused = LeaseBusy(
+        run_id, 0.0, f"{task.name} is paused" + (f": {claim.reason}" if claim.reason else "")
+    )
+    if delivery.direct:
+        raise paused
+    signature = task.signature_from_request(
+        request, request.args, request.kwargs, headers=flow.without_slot(request.headers)
+    )
+    try:
+        data, content_type = encode(delivery, dict(signature))
+        kept = delivery.runtime.store.hold(
+            HELD_PAUSED,
+            task_name=task.name,
+            flow_key=delivery.concurrency_key,
+            run_id=run_id,
+            task_id=str(request.id),
+            payload=data,
+            payload_content_type=content_type,
+        )
+    except LeaseError as exc:
+        delivery.events.emit(
+            "keep_error",
+            run_id,
+            "delivery %s of paused %s: could not keep it (%s); sent again in 1s",
+            request.id,
+            task.name,
+            describe_exception(exc),
+            level=logging.WARNING,
+        )
+        reschedule(delivery, 1.0, exc)
+    if not kept:  # resumed between the claim and the hold: run it now
+        reschedule(delivery, 0.0, paused)
+    delivery.events.emit(
+        "paused",
+        run_id,
+        "run %s: %s paused, delivery %s held until resume",
+        run_id,
+        task.name,
+        request.id,
+        task=task.name,
+        key=delivery.concurrency_key or "",
+    )
+    raise Ignore()
+
+
+def defer(delivery: Delivery, key: str, wait_ms: int, due_ms: int) -> NoReturn:
+    """The task's ``lease_rate_limit`` gave this delivery a slot ``wait_ms`` from now: send it
+    for then, carrying its slot, and drop this one. No attempt is used. Due within
+    ``flow.HORIZON_MS``: re-published with that countdown; later: kept in the lease
+    database and published when due (:class:`~celery_lease.flow.FlowPump`), so no worker
+    holds more than a horizon's worth of ETA messages."""
+    task, request, run_id = delivery.task, delivery.request, delivery.run_id
+    wait = wait_ms / 1000.0
+    delivery.events.emit(
+        "deferred",
+        run_id,
+        "run %s: rate limit %s of %s reached, deferred %.3fs",
+        run_id,
+        delivery.config.rate_limit,
+        task.name,
+        wait,
+        level=logging.DEBUG,
+        task=task.name,
+        key=key,
+        retry_in=wait,
+    )
+    headers = {**(request.headers or {}), flow.SLOT_HEADER: due_ms}
+    over = LeaseBusy(run_id, wait, "rate limit reached")
+    if wait_ms <= flow.HORIZON_MS:
+        reschedule(delivery, wait, over, headers=headers)
+    try:
+        signature = task.signature_from_request(
+            request, request.args, request.kwargs, headers=headers
+        )
+        data, content_type = encode(delivery, dict(signature))
+        store = delivery.runtime.store
+        store.hold(
+            HELD_RATE,
+            task_name=task.name,
+            flow_key=key,
+            run_id=run_id,
+            task_id=str(request.id),
+            payload=data,
+            payload_content_type=content_type,
+            available_at=due_ms,
+        )
+    except LeaseError as exc:
+        delivery.events.emit(
+            "keep_error",
+            run_id,
+            "delivery %s: could not keep it for its rate slot (%s); sent with a countdown",
+            request.id,
+            describe_exception(exc),
+            level=logging.WARNING,
+        )
+        reschedule(delivery, wait, over, headers=headers)
+    flow.pump_for(task.app, delivery.config.database_url, store).wake()
+    raise Ignore()

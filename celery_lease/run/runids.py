@@ -172,6 +172,17 @@ def concurrency_key(
     return None
 
 
+def rate_key(
+    task_name: str, config: LeaseConfig, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    """The rate bucket of a call: ``lease_rate_key(...)`` as a string (hashed when longer
+    than the column), ``""`` (the task's one bucket) without a key or for None."""
+    if config.rate_key is None:
+        return ""
+    key = key_value(task_name, config.rate_key, args, kwargs)
+    return "" if key is None else fit_run_id(str(key))
+
+
 def payload(delivery: Delivery) -> dict[str, Any]:
     """The delivery's message as Celery would re-send it, for the sweeper.
 

@@ -22,8 +22,11 @@ from .records import PURGE_BATCH as PURGE_BATCH
 from .records import Activity as Activity
 from .records import ClaimOutcome as ClaimOutcome
 from .records import ClaimResult as ClaimResult
+from .records import FlowCounts as FlowCounts
 from .records import HeartbeatResult as HeartbeatResult
+from .records import HeldRecord as HeldRecord
 from .records import LeaseKey as LeaseKey
+from .records import Pause as Pause
 from .records import RunPageQuery as RunPageQuery
 from .records import RunRecord as RunRecord
 from .records import RunSummary as RunSummary

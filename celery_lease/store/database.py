@@ -26,6 +26,8 @@ from sqlalchemy import (
     Connection,
     Engine,
     Table,
+    and_,
+    case,
     create_engine,
     delete,
     func,
@@ -39,10 +41,18 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateColumn
 
 from ..errors import LeaseDatabaseError
-from ..schema import QUEUED, metadata, runs
+from ..schema import QUEUED, db_now_ms, metadata, rates, runs
 from .bounds import WaitBounds
 from .driver import DriverStatement
-from .sql import claim_params, claim_upsert, claimable, insert_values, takeover_values
+from .sql import (
+    claim_params,
+    claim_upsert,
+    claimable,
+    insert_source,
+    not_paused,
+    reserve_rate,
+    takeover_values,
+)
 
 #: What a claim returns: the new attempt, its expiry, the attempt ceiling, the checkpoint
 #: and the trace context.
@@ -131,13 +141,18 @@ class LockedClaim:
         current = conn.execute(
             select(runs.c.attempt).where(runs.c.id == values["id"]).with_for_update()
         ).first()
+        unpaused = not_paused(values["task_name"], values["concurrency_key"])
         if current is None:
-            conn.execute(self._insert(runs).values(insert_values(values, lease_ms)))
+            inserted = conn.execute(
+                self._insert(runs).from_select(*insert_source(values, lease_ms))
+            ).rowcount
+            if inserted != 1:
+                return None  # paused
             attempt = 1
         else:
             changed = conn.execute(
                 update(runs)
-                .where(runs.c.id == values["id"], claimable(max_attempts))
+                .where(runs.c.id == values["id"], claimable(max_attempts), unpaused)
                 .values(takeover_values(values["lease_owner"], lease_ms, max_attempts, values))
             ).rowcount
             if changed != 1:
@@ -303,6 +318,36 @@ class Database:
         if not changed and exists is None:
             conn.execute(self.insert(runs).values(waiting))
 
+    def reserve_rate(self, engine: Engine, auto: Engine, params: dict[str, Any]) -> tuple[int, int]:
+        """Take the next slot of a rate bucket (see :func:`~celery_lease.store.sql.reserve_rate`);
+        its theoretical arrival time and the database's now. Here a short locked transaction:
+        the ``UPDATE`` (or the first ``INSERT``), then the read of what it wrote."""
+        bucket = and_(rates.c.task_name == params["p_task"], rates.c.rate_key == params["p_key"])
+        now = db_now_ms()
+        period = params["p_period"]
+        for tries in (1, 2):
+            try:
+                with engine.begin() as conn:
+                    moved = conn.execute(
+                        update(rates)
+                        .where(bucket)
+                        .values(tat=case((rates.c.tat > now, rates.c.tat), else_=now) + period)
+                    ).rowcount
+                    if not moved:
+                        conn.execute(
+                            self.insert(rates).values(
+                                task_name=params["p_task"],
+                                rate_key=params["p_key"],
+                                tat=now + period,
+                            )
+                        )
+                    tat, at = conn.execute(select(rates.c.tat, now).where(bucket)).one()
+                    return int(tat), int(at)
+            except sa_exc.IntegrityError:  # another first claim inserted the bucket: update it
+                if tries == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def renew(
         self,
         engine: Engine,
@@ -394,6 +439,14 @@ def upsert_kept(insert: Any, auto: Engine, waiting: dict[str, Any], adopt: Any, 
     ).returning(runs.c.id)
     with auto.connect() as conn:
         return conn.execute(stmt).first() is not None
+
+
+def upsert_rate(insert: Any, auto: Engine, params: dict[str, Any]) -> tuple[int, int]:
+    """The rate reservation as one ``INSERT .. ON CONFLICT .. RETURNING``: the bucket's new
+    theoretical arrival time and the database's now."""
+    with auto.connect() as conn:
+        tat, now = conn.execute(reserve_rate(insert), params).one()
+    return int(tat), int(now)
 
 
 def create_schema(engine: Engine) -> None:

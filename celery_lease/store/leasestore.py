@@ -24,9 +24,11 @@ from sqlalchemy import (
     Engine,
     and_,
     case,
+    delete,
     func,
     insert,
     inspect,
+    literal,
     or_,
     select,
     tuple_,
@@ -39,6 +41,8 @@ from ..errors import LeaseLost, LeaseUsageError, RunNotFound, RunNotRerunnable
 from ..schema import (
     CANCELLED,
     FAILED,
+    HELD_PAUSED,
+    HELD_RATE,
     QUEUED,
     RETRYING,
     RUNNING,
@@ -46,6 +50,8 @@ from ..schema import (
     TERMINAL_STATUSES,
     check_claim_inputs,
     db_now_ms,
+    held,
+    pauses,
     runs,
 )
 from .bounds import DEFAULT_BOUNDS, WaitBounds
@@ -59,8 +65,11 @@ from .records import (
     PURGE_BATCH,
     Activity,
     ClaimResult,
+    FlowCounts,
     HeartbeatResult,
+    HeldRecord,
     LeaseKey,
+    Pause,
     Progress,
     RunPageQuery,
     RunRecord,
@@ -74,6 +83,7 @@ from .sql import (
     ended_values,
     guarded,
     lease_expired_since,
+    not_paused,
     oldest_running,
     progress_values,
     purgeable,
@@ -350,7 +360,7 @@ class LeaseStore:
                 checkpoint=row[3],
                 trace_context=row[4],
             )
-        return self._claim_refused(run_id, owner, max_attempts)
+        return self._claim_refused(run_id, owner, max_attempts, values)
 
     def _claim_limited(
         self, values: dict[str, Any], lease_ms: int, max_attempts: int, limit: int
@@ -423,8 +433,14 @@ class LeaseStore:
 
     # -- why a claim changed nothing ----------------------------------------------
 
-    def _claim_refused(self, run_id: str, owner: str, max_attempts: int) -> ClaimResult:
-        """Why a claim changed nothing; ends runs that can never be claimed again."""
+    def _claim_refused(
+        self, run_id: str, owner: str, max_attempts: int, values: dict[str, Any]
+    ) -> ClaimResult:
+        """Why a claim changed nothing; ends runs that can never be claimed again.
+
+        A run with no row, or one the claim could have taken, was refused by a pause:
+        the pause is read here, on the refusal path only.
+        """
         for _ in range(5):
             now = db_now_ms()
             with self._auto.connect() as conn:
@@ -440,6 +456,9 @@ class LeaseStore:
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
+                paused = self._pause_of(values["task_name"], values["concurrency_key"])
+                if paused is not None:
+                    return ClaimResult("paused", run_id, owner, 0, schema.QUEUED, reason=paused)
                 return ClaimResult("busy", run_id, owner, 0, schema.QUEUED, 0.0)
             status, attempt, cancel_requested, lease_left, available_left, task_id, ceiling = row
             max_attempts = max(max_attempts, int(ceiling))
@@ -464,6 +483,9 @@ class LeaseStore:
                     )
                 continue
             if claimable:
+                paused = self._pause_of(values["task_name"], values["concurrency_key"])
+                if paused is not None:
+                    return ClaimResult("paused", run_id, owner, attempt, status, reason=paused)
                 # It became claimable between our two statements: try again soon.
                 return ClaimResult("busy", run_id, owner, attempt, status, 0.0, reason="race")
             return ClaimResult(
@@ -1005,6 +1027,8 @@ class LeaseStore:
                         runs.c.cancel_requested_at.is_(None),
                         # No message: a direct call or eager apply(); never sent to workers.
                         runs.c.payload.is_not(None),
+                        # A paused run waits for its resume, however long.
+                        not_paused(runs.c.task_name, runs.c.concurrency_key),
                     )
                     .order_by(runs.c.available_at)
                     .limit(limit)
@@ -1126,6 +1150,228 @@ class LeaseStore:
                 continue
             released.append(record)
         return released
+
+    # -- flow control: pauses, rate limits, held deliveries --------------------------
+
+    def _pause_of(self, task_name: str, key: str | None) -> str | None:
+        """The reason (``""`` if none given) of a pause holding ``task_name`` (or ``key``),
+        else None; read only (the claim's refusal path)."""
+        stmt = (
+            select(pauses.c.reason)
+            .where(
+                pauses.c.task_name == task_name,
+                or_(pauses.c.pause_key == "", pauses.c.pause_key == (key or "")),
+            )
+            .order_by(pauses.c.pause_key)
+            .limit(1)
+        )
+        with self._auto.connect() as conn:
+            row = conn.execute(stmt).first()
+        return None if row is None else str(row[0] or "")
+
+    @_db_errors
+    def pause(self, task_name: str, key: str | None = None, reason: str | None = None) -> bool:
+        """Pause ``task_name`` (or only its runs of concurrency ``key``): from now on no claim
+        of it succeeds. True when this call paused it; a pause already there keeps its time
+        and gets ``reason`` if one is given."""
+        schema.check_run_id(task_name, "task_name")
+        if key is not None:
+            schema.check_run_id(key, "key")
+        row = pauses.c.task_name == task_name, pauses.c.pause_key == (key or "")
+        values = {"task_name": task_name, "pause_key": key or "", "reason": reason}
+        with self.engine.begin() as conn:
+            found = conn.execute(select(pauses.c.task_name).where(*row)).first()
+            if found is None:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(insert(pauses).values(paused_at=db_now_ms(), **values))
+                    return True
+                except IntegrityError:  # paused by another call meanwhile
+                    pass
+            if reason is not None:
+                conn.execute(update(pauses).where(*row).values(reason=reason))
+        return False
+
+    @_db_errors
+    def resume(self, task_name: str, key: str | None = None) -> bool:
+        """Remove the pause of ``task_name`` (or of its concurrency ``key``); True when there
+        was one. Held deliveries are published by :meth:`take_held` and its caller."""
+        stmt = delete(pauses).where(
+            pauses.c.task_name == task_name, pauses.c.pause_key == (key or "")
+        )
+        with self._auto.connect() as conn:
+            return int(conn.execute(stmt).rowcount) == 1
+
+    @_db_errors
+    def list_pauses(self) -> list[Pause]:
+        """Every pause, oldest first, with the deliveries it holds back now; read only."""
+        with self._auto.connect() as conn:
+            rows = conn.execute(
+                select(pauses).order_by(pauses.c.paused_at, pauses.c.task_name)
+            ).all()
+            counts = conn.execute(
+                select(held.c.task_name, held.c.flow_key, func.count())
+                .where(held.c.reason == HELD_PAUSED)
+                .group_by(held.c.task_name, held.c.flow_key)
+            ).all()
+        found: list[Pause] = []
+        for task_name, key, reason, paused_at in rows:
+            waiting = sum(
+                int(n) for name, flow, n in counts if name == task_name and key in ("", flow)
+            )
+            found.append(Pause(task_name, key, reason, int(paused_at), waiting))
+        return found
+
+    @_db_errors
+    def flow_counts(self) -> FlowCounts:
+        """Deliveries held back now per task and key, paused and deferred; one read."""
+        now = db_now_ms()
+        stmt = select(held.c.reason, held.c.task_name, held.c.flow_key, func.count(), now).group_by(
+            held.c.reason, held.c.task_name, held.c.flow_key
+        )
+        with self._auto.connect() as conn:
+            rows = conn.execute(stmt).all()
+            db_now = int(conn.execute(select(now)).scalar_one()) if not rows else int(rows[0][4])
+        paused = {(r[1], r[2]): int(r[3]) for r in rows if r[0] == HELD_PAUSED}
+        deferred = {(r[1], r[2]): int(r[3]) for r in rows if r[0] == HELD_RATE}
+        return FlowCounts(db_now, paused, deferred)
+
+    @_db_errors
+    def request_cancel_running(self, task_name: str, key: str | None = None) -> int:
+        """Ask every running run of ``task_name`` (of concurrency ``key`` if given) to stop, as
+        :meth:`cancel` does; how many were asked. Each worker sees it within one heartbeat."""
+        now = db_now_ms()
+        where = [runs.c.status == RUNNING, runs.c.task_name == task_name]
+        if key is not None:
+            where.append(runs.c.concurrency_key == key)
+        stmt = (
+            update(runs)
+            .where(*where, runs.c.cancel_requested_at.is_(None))
+            .values(cancel_requested_at=now, updated_at=now)
+        )
+        with self._auto.connect() as conn:
+            return int(conn.execute(stmt).rowcount)
+
+    @_db_errors
+    def reserve_rate(self, task_name: str, key: str, period_ms: int, burst: int) -> tuple[int, int]:
+        """Take the next slot of the rate bucket ``(task_name, key)``: one slot per
+        ``period_ms``, ``burst`` at once. Returns ``(wait_ms, due_ms)``: how long the caller
+        must wait for its slot (0: now) and when it is due, by the database clock.
+
+        GCRA with reservation, in one statement where the database has ``ON CONFLICT ..
+        RETURNING`` (a short transaction on MySQL): every caller's slot is its own, so
+        across all workers no more than ``burst`` start within one period.
+        """
+        params = {"p_task": task_name, "p_key": key, "p_period": period_ms}
+        tat, now = self.database.reserve_rate(self.engine, self._auto, params)
+        due = tat - period_ms * burst
+        return max(0, due - now), max(due, now)
+
+    @_db_errors
+    def hold(
+        self,
+        reason: str,
+        *,
+        task_name: str,
+        flow_key: str | None,
+        run_id: str,
+        task_id: str,
+        payload: bytes,
+        payload_content_type: str,
+        available_at: int | None = None,
+    ) -> bool:
+        """Keep a delivery held back by flow control, with its message; one statement.
+
+        ``paused``: kept only while a pause still holds it (False: resumed meanwhile, the
+        caller sends it on). ``rate``: due at ``available_at`` (epoch ms, DB clock).
+        """
+        now = db_now_ms()
+        key = flow_key or ""
+        row = {
+            "reason": reason,
+            "task_name": task_name,
+            "flow_key": key,
+            "run_id": run_id,
+            "task_id": task_id,
+            "payload": payload,
+            "payload_content_type": payload_content_type,
+            "available_at": now if available_at is None else available_at,
+            "created_at": now,
+        }
+        if reason == HELD_RATE:
+            stmt: Any = insert(held).values(row)
+        elif reason == HELD_PAUSED:
+            source = select(
+                *[
+                    (v if hasattr(v, "label") else literal(v, held.c[k].type)).label(k)
+                    for k, v in row.items()
+                ]
+            ).where(~not_paused(task_name, key))
+            stmt = insert(held).from_select(list(row), source)
+        else:
+            raise ValueError(f"unknown hold reason {reason!r}")
+        with self._auto.connect() as conn:
+            if not self.engine.dialect.insert_returning:
+                return int(conn.execute(stmt).rowcount) == 1
+            # psycopg reports no row count for INSERT .. SELECT: ask for the row.
+            return conn.execute(stmt.returning(held.c.seq)).first() is not None
+
+    @_db_errors
+    def take_held(
+        self,
+        *,
+        horizon_ms: int,
+        task_name: str | None = None,
+        key: str | None = None,
+        limit: int = 500,
+        stale_ms: int = 60_000,
+    ) -> list[HeldRecord]:
+        """Held deliveries to publish now, in arrival order, each taken by a guarded
+        ``UPDATE`` (so two publishers never both take one; a taker that died is taken over
+        after ``stale_ms``): paused ones no pause holds any more, and rate-limited ones due
+        within ``horizon_ms``. With ``task_name`` (and ``key``), only that task's paused ones.
+        """
+        now = db_now_ms()
+        free = or_(held.c.taken_at.is_(None), held.c.taken_at < now - stale_ms)
+        resumed = and_(held.c.reason == HELD_PAUSED, not_paused(held.c.task_name, held.c.flow_key))
+        if task_name is not None:
+            resumed = and_(resumed, held.c.task_name == task_name)
+            if key is not None:
+                resumed = and_(resumed, held.c.flow_key == key)
+            where: Any = resumed
+        else:
+            due = and_(held.c.reason == HELD_RATE, held.c.available_at <= now + horizon_ms)
+            where = or_(resumed, due)
+        stmt = select(held, now.label("now")).where(where, free).order_by(held.c.seq).limit(limit)
+        taken: list[HeldRecord] = []
+        with self._auto.connect() as conn:
+            for row in conn.execute(stmt).mappings().all():
+                guard = and_(
+                    held.c.seq == row["seq"],
+                    held.c.taken_at.is_(None)
+                    if row["taken_at"] is None
+                    else held.c.taken_at == row["taken_at"],
+                )
+                if conn.execute(update(held).where(guard).values(taken_at=now)).rowcount == 1:
+                    data = {k: v for k, v in row.items() if k != "taken_at"}
+                    taken.append(HeldRecord(**data))
+        return taken
+
+    @_db_errors
+    def drop_held(self, seq: int) -> None:
+        """Forget a held delivery once it was published again."""
+        with self._auto.connect() as conn:
+            conn.execute(delete(held).where(held.c.seq == seq))
+
+    @_db_errors
+    def next_held_due(self) -> int | None:
+        """Milliseconds until the next rate-limited delivery is due (0: overdue), or None
+        when none is held; read only."""
+        now = db_now_ms()
+        stmt = select(func.min(held.c.available_at) - now).where(held.c.reason == HELD_RATE)
+        with self._auto.connect() as conn:
+            left = conn.execute(stmt).scalar()
+        return None if left is None else max(0, int(left))
 
     # -- operators: expire, cancel, retention --------------------------------------
 

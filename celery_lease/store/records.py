@@ -11,7 +11,7 @@ from ..schema import TERMINAL_STATUSES
 #: (deadlock, serialization failure, duplicate insert) before reporting busy.
 CLAIM_CONTENTION_TRIES = 8
 
-ClaimOutcome = Literal["claimed", "busy", "finished"]
+ClaimOutcome = Literal["claimed", "busy", "finished", "paused"]
 
 #: Rows one retention statement deletes at most: a short transaction on every dialect.
 PURGE_BATCH = 1000
@@ -47,6 +47,7 @@ class ClaimResult:
     ``claimed``: this owner holds the lease, ``attempt`` is its fencing token.
     ``busy``: another live lease (or a backoff) blocks it; retry in ``retry_in`` s.
     ``finished``: the run is terminal (``status``); the body must not run.
+    ``paused``: the run's task (or its concurrency key) is paused; ``reason`` is the pause's.
     """
 
     outcome: ClaimOutcome
@@ -209,3 +210,46 @@ class TaskCounts:
     ended_recently: dict[str, int]
     expired_leases: int = 0
     lease_expired_recently: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldRecord:
+    """One delivery held back by flow control (``celery_lease_held``); times epoch ms.
+
+    ``reason`` is ``paused`` or ``rate``; ``flow_key`` the concurrency key (paused)
+    or rate key (rate), ``""`` for none. ``now`` is the database clock when it was taken.
+    """
+
+    seq: int
+    reason: str
+    task_name: str
+    flow_key: str
+    run_id: str
+    task_id: str
+    payload: bytes
+    payload_content_type: str
+    available_at: int
+    created_at: int
+    now: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """One pause: a task, a concurrency key (``""``: every key), why, since when (epoch ms),
+    and how many deliveries it holds back now."""
+
+    task_name: str
+    key: str
+    reason: str | None
+    paused_at: int
+    waiting: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowCounts:
+    """Deliveries held back now, per ``(task name, key)``: ``paused`` and ``deferred``
+    (waiting for their turn under a rate limit); ``now`` is the database clock."""
+
+    now: int
+    paused: dict[tuple[str, str], int]
+    deferred: dict[tuple[str, str], int]

@@ -19,6 +19,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    exists,
     func,
     literal,
     or_,
@@ -41,6 +42,8 @@ from ..schema import (
     PayloadType,
     ProgressType,
     db_now_ms,
+    pauses,
+    rates,
     runs,
 )
 from .records import _CLEARED_ON_SUCCESS, LeaseKey, Progress, RunPageQuery, RunSummary
@@ -213,12 +216,56 @@ def insert_values(values: dict[str, Any], lease_ms: Any) -> dict[str, Any]:
     }
 
 
+def not_paused(task_name: Any, key: Any) -> Any:
+    """No pause holds ``task_name``: neither one of the whole task (``pause_key = ''``) nor
+    one of concurrency ``key``. A subquery on the pauses table's primary key: while
+    nothing is paused it reads an empty index."""
+    return ~exists().where(
+        pauses.c.task_name == task_name,
+        or_(pauses.c.pause_key == "", pauses.c.pause_key == func.coalesce(key, "")),
+    )
+
+
+def insert_source(values: dict[str, Any], lease_ms: Any) -> tuple[list[str], Any]:
+    """The columns and the ``SELECT`` a first claim inserts: :func:`insert_values`, only
+    while the run's task (and key) is not paused (no row otherwise)."""
+    row = insert_values(values, lease_ms)
+    columns = [
+        (value if hasattr(value, "label") else literal(value, runs.c[name].type)).label(name)
+        for name, value in row.items()
+    ]
+    unpaused = not_paused(values["task_name"], values["concurrency_key"])
+    return list(row), select(*columns).where(unpaused)
+
+
+def reserve_rate(insert: InsertBuilder) -> Any:
+    """GCRA with reservation, one upsert: the bucket's theoretical arrival time moves to
+    ``max(tat, now) + p_period``; returns it and the database's now (epoch ms).
+
+    Each delivery takes the next slot, so one told to wait holds its turn: it runs
+    exactly when due, without asking again. Parameters ``p_task``, ``p_key``, ``p_period``.
+    """
+    period = bindparam("p_period", type_=Integer)
+    now = db_now_ms()
+    stmt = insert(rates).values(
+        task_name=bindparam("p_task", type_=String),
+        rate_key=bindparam("p_key", type_=String),
+        tat=now + period,
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[rates.c.task_name, rates.c.rate_key],
+        set_={"tat": case((rates.c.tat > now, rates.c.tat), else_=now) + period},
+    ).returning(rates.c.tat, now)
+
+
 def claim_upsert(insert: InsertBuilder) -> Any:
-    """``INSERT .. ON CONFLICT DO UPDATE .. WHERE claimable RETURNING`` with bind parameters.
+    """``INSERT .. SELECT .. WHERE not paused ON CONFLICT DO UPDATE .. WHERE claimable and
+    not paused RETURNING`` with bind parameters.
 
     Returns the new attempt, expiry, attempt ceiling, the run's checkpoint (kept by a
     takeover, NULL on an insert) and trace context; no row when the run was not
-    claimable. Its parameters come from :func:`claim_params`.
+    claimable or its task (or concurrency key) is paused. Its parameters come from
+    :func:`claim_params`.
     """
     lease_ms = bindparam("p_lease_ms", type_=Integer)
     max_attempts = bindparam("p_max_attempts", type_=Integer)
@@ -236,13 +283,14 @@ def claim_upsert(insert: InsertBuilder) -> Any:
         "payload_content_type": bindparam("p_payload_content_type", type_=String),
         "trace_context": bindparam("p_trace_context", type_=String),
     }
+    unpaused = not_paused(values["task_name"], values["concurrency_key"])
     return (
         insert(runs)
-        .values(insert_values(values, lease_ms))
+        .from_select(*insert_source(values, lease_ms))
         .on_conflict_do_update(
             index_elements=[runs.c.id],
             set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
-            where=claimable(max_attempts),
+            where=and_(claimable(max_attempts), unpaused),
         )
         .returning(
             runs.c.attempt,

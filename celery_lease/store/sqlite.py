@@ -24,6 +24,7 @@ from .database import (
     permanent,
     transient,
     upsert_kept,
+    upsert_rate,
     upsert_waiting,
 )
 
@@ -123,6 +124,10 @@ class SQLite(Database):
     ) -> None:
         """One upsert that bumps only a row still ``queued``."""
         upsert_waiting(self.insert, conn, waiting, bump)
+
+    def reserve_rate(self, engine: Engine, auto: Engine, params: dict[str, Any]) -> tuple[int, int]:
+        """One upsert (see :func:`~celery_lease.store.database.upsert_rate`)."""
+        return upsert_rate(self.insert, auto, params)
 
     def renew(
         self,

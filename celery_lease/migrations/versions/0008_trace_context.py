@@ -10,7 +10,7 @@ The column is added nullable (no table rewrite on PostgreSQL 11+, in place on
 MySQL/MariaDB).
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-04
 """
 
@@ -22,7 +22,7 @@ from alembic import op
 from celery_lease.migrations.online import ddl
 
 revision = "0008"
-down_revision = "0006"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 

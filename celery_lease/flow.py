@@ -1,0 +1,266 @@
+"""Flow control across every worker: pause and resume, and the deliveries held back.
+
+A paused task's deliveries, and rate-limited deliveries whose turn is further
+off than :data:`HORIZON_MS`, are kept in the lease database
+(``celery_lease_held``) with their message and dropped by the worker.
+:func:`release` publishes them again: the paused ones on :func:`resume` (in
+arrival order), the rate-limited ones when due, by a :class:`FlowPump` thread in
+the process that held them, and both by the sweeper as a backstop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery
+
+from .errors import LeaseError
+from .requeue import MessageNotAccepted, decode_message
+from .runtime import app_runtime, lease_databases, runtime_for, store_for
+from .sanitize import describe_exception
+from .schema import HELD_RATE
+from .store import HeldRecord, LeaseStore
+
+logger = logging.getLogger(__name__)
+
+#: A rate-limited delivery due within this many ms goes to the broker with a
+#: countdown (Celery holds it in a worker's memory until due); one due later
+#: waits in the lease database. So at most ``rate * horizon + burst`` ETA
+#: messages of a limited task exist at a time, fleet-wide.
+HORIZON_MS = 3000
+#: The longest a pump sleeps between two looks at the held deliveries.
+PUMP_TICK = 1.0
+#: Message header of a delivery that already holds its rate slot (the slot's due
+#: time, epoch ms, database clock): its claim takes no new slot.
+SLOT_HEADER = "celery_lease_rate_slot"
+
+
+def has_slot(request: Any) -> bool:
+    """True when the delivery ``request`` carries the rate slot it was deferred for."""
+    value: Any = (getattr(request, "headers", None) or {}).get(SLOT_HEADER)
+    if value is None:
+        value = getattr(request, SLOT_HEADER, None)
+    return value is not None
+
+
+def without_slot(headers: Any) -> dict[str, Any]:
+    """``headers`` without the rate slot (a held paused delivery takes a new one)."""
+    return {k: v for k, v in dict(headers or {}).items() if k != SLOT_HEADER}
+
+
+def store_of(app: Celery, task_name: str) -> LeaseStore:
+    """The lease database of ``task_name``: its own ``lease_database_url``, else the app's."""
+    task = app.tasks.get(task_name)
+    settings = getattr(task, "lease_config", None)
+    if callable(settings):
+        return runtime_for(app, settings()).store
+    return store_for(app)
+
+
+def pause(
+    app: Celery,
+    task_name: str,
+    key: str | None = None,
+    reason: str | None = None,
+    *,
+    cancel_running: bool = False,
+    store: LeaseStore | None = None,
+) -> bool:
+    """Pause ``task_name`` on every worker (only its runs of concurrency ``key`` if given).
+
+    From the moment this returns, no claim of it succeeds: each of its deliveries is
+    kept in the lease database and dropped, until :func:`resume`. Running bodies
+    finish, unless ``cancel_running`` (they are cancelled as by ``lease cancel``).
+    True when this call paused it (False: it was paused already; ``reason`` is updated).
+    """
+    store = store or store_of(app, task_name)
+    paused = store.pause(task_name, key, reason)
+    asked = store.request_cancel_running(task_name, key) if cancel_running else 0
+    app_runtime(app).events.emit(
+        "flow_paused",
+        None,
+        "celery-lease: paused %s%s%s",
+        task_name,
+        "" if key is None else f" (key {key})",
+        "" if not asked else f", cancel requested for {asked} running",
+        task=task_name,
+        key=key,
+    )
+    return paused
+
+
+def resume(
+    app: Celery, task_name: str, key: str | None = None, *, store: LeaseStore | None = None
+) -> int:
+    """Lift the pause of ``task_name`` (of its ``key``) and publish the deliveries it held,
+    in the order they came; how many were published.
+
+    Deliveries still held by another pause (the whole task, or another key) stay held.
+    A resume that dies halfway loses nothing: the sweeper publishes the rest.
+    """
+    store = store or store_of(app, task_name)
+    store.resume(task_name, key)
+    sent = len(release(app, store, task_name=task_name, key=key))
+    app_runtime(app).events.emit(
+        "flow_resumed",
+        None,
+        "celery-lease: resumed %s%s, %d held deliveries published",
+        task_name,
+        "" if key is None else f" (key {key})",
+        sent,
+        task=task_name,
+        key=key,
+        published=sent,
+    )
+    return sent
+
+
+def release(
+    app: Celery,
+    store: LeaseStore,
+    *,
+    task_name: str | None = None,
+    key: str | None = None,
+    limit: int = 500,
+) -> list[str]:
+    """Publish the held deliveries that may go now (see :meth:`LeaseStore.take_held`), in
+    batches of ``limit``; the run ids published, in order. A delivery that cannot be published
+    stays held (its take goes stale and a later release retries it)."""
+    sent: list[str] = []
+    while True:
+        rows = store.take_held(horizon_ms=HORIZON_MS, task_name=task_name, key=key, limit=limit)
+        for row in rows:
+            try:
+                publish_held(app, row)
+            except MessageNotAccepted as exc:
+                logger.error(
+                    "celery-lease: held delivery %s of %s dropped: %s",
+                    row.task_id,
+                    row.run_id,
+                    exc,
+                    extra={"lease_event": "sweep_error", "run_id": row.run_id},
+                )
+            except Exception as exc:
+                logger.warning(
+                    "celery-lease: could not publish held delivery %s of %s (retried later): %s",
+                    row.task_id,
+                    row.run_id,
+                    describe_exception(exc),
+                    extra={"lease_event": "sweep_error", "run_id": row.run_id},
+                )
+                continue
+            else:
+                sent.append(row.run_id)
+            store.drop_held(row.seq)
+        if len(rows) < limit:
+            return sent
+
+
+def publish_held(app: Celery, row: HeldRecord) -> None:
+    """Publish a held delivery: its stored message, under its own task id; a rate-limited
+    one with the countdown left until its slot."""
+    body = decode_message(app, row.payload, row.payload_content_type)
+    options = {
+        k: v for k, v in dict(body.get("options") or {}).items() if k not in ("countdown", "eta")
+    }
+    options["task_id"] = row.task_id
+    if row.reason == HELD_RATE and row.available_at > row.now:
+        options["countdown"] = (row.available_at - row.now) / 1000.0
+    args = list(body.get("args") or ())
+    kwargs = dict(body.get("kwargs") or {})
+    task = app.tasks.get(row.task_name)
+    if task is not None:
+        task.apply_async(args, kwargs, **options)
+    else:
+        app.send_task(row.task_name, args=args, kwargs=kwargs, **options)
+
+
+class FlowPump:
+    """Publishes the rate-limited deliveries of one lease database as they come due.
+
+    One daemon thread per process and database, started by :meth:`wake` when this
+    process holds a delivery, and ending once none is held there (any process's). A
+    tick is one read (:meth:`LeaseStore.take_held`) plus the publishes; a failing tick
+    is logged and the loop goes on. :meth:`tick` is one tick, for tests.
+    """
+
+    def __init__(self, app: Celery, store: LeaseStore) -> None:
+        self.app = app
+        self.store = store
+        self._lock = threading.Lock()
+        self._woken = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        """Run the pump (again) now: a delivery was just held."""
+        with self._lock:
+            self._woken = True
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(
+                    target=self._loop, name="celery-lease-flow", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the thread, waiting at most ``timeout`` seconds."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def tick(self) -> float | None:
+        """Publish what is due; seconds until the next look, or None when nothing is held."""
+        release(self.app, self.store)
+        left = self.store.next_held_due()
+        if left is None:
+            return None
+        return min(PUMP_TICK, max(0.05, (left - HORIZON_MS / 2) / 1000.0))
+
+    def _loop(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            with self._lock:
+                self._woken = False
+            try:
+                found = self.tick()
+            except LeaseError as exc:
+                logger.warning(
+                    "celery-lease: flow pump: %s",
+                    describe_exception(exc),
+                    extra={"lease_event": "sweep_error"},
+                )
+                if not getattr(exc, "transient", False):
+                    # A missing table (run `lease migrate`) does not heal by itself:
+                    # stop; the next held delivery or the sweeper tries again.
+                    with self._lock:
+                        self._thread = None
+                    return
+                found = PUMP_TICK
+            except Exception:
+                logger.exception("celery-lease: flow pump tick failed")
+                found = PUMP_TICK
+            with self._lock:
+                if found is None and not self._woken:
+                    self._thread = None
+                    return
+            delay = PUMP_TICK if found is None else found
+
+
+def pump_for(app: Celery, url: str, store: LeaseStore) -> FlowPump:
+    """This process's :class:`FlowPump` of the lease database ``url``."""
+    pump = app_runtime(app).pump_for(url, lambda: FlowPump(app, store))
+    assert isinstance(pump, FlowPump)
+    return pump
+
+
+def wake_pumps(app: Celery) -> None:
+    """Look once at every lease database of ``app`` for held rate-limited deliveries and
+    keep publishing them as they come due (a worker starting after the ones that held
+    them stopped); each pump ends once nothing is held."""
+    for config in lease_databases(app):
+        store = runtime_for(app, config).store
+        pump_for(app, config.database_url, store).wake()
