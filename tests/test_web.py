@@ -422,6 +422,34 @@ def test_rerun_from_the_web_is_the_cli_rerun(lease_db: tuple[str, Any]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_pause_and_resume_a_runs_task_from_the_web(lease_db: tuple[str, Any]) -> None:
+    """Pause task / Resume task on a run's page pause its task on every worker (the
+    same celery_lease.pause/resume as the CLI) and say what they did."""
+    from celery_lease.store import LeaseStore
+
+    url, engine = lease_db
+    add_run(engine, "r1", status="running")
+    c = client(url, token=TOKEN)
+    page = c.get("/run?id=r1")
+    assert "Pause task" in page.text and "Resume task" in page.text
+    csrf = csrf_of(c.get("/confirm?action=pause&id=r1"))
+    done = c.post("/action", data={"csrf": csrf, "action": "pause", "id": "r1", "token": TOKEN})
+    assert done.status_code == 200, done.text
+    store = LeaseStore.from_url(url)
+    try:
+        paused = store.list_pauses()
+        assert [(p.task_name, p.key) for p in paused] == [("shop.charge", "")]
+        assert paused[0].reason == "paused from the web view"
+        again = c.post(
+            "/action", data={"csrf": csrf, "action": "resume", "id": "r1", "token": TOKEN}
+        )
+        assert again.status_code == 200 and "is resumed: 0 kept deliveries" in again.text
+        assert store.list_pauses() == []
+    finally:
+        store.dispose()
+
+
+@pytest.mark.timeout(60)
 def test_protected_reads_ask_for_the_token(lease_db: tuple[str, Any]) -> None:
     """With ``protect_reads`` (a public bind) every page needs the token as Basic auth."""
     url, _ = lease_db

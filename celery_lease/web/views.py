@@ -14,7 +14,9 @@ from typing import Any
 
 from celery import Celery
 
+from .. import flow
 from ..actions import ActionResult, cancel_run, rerun_run
+from ..errors import RunNotFound
 from ..owner import Owner
 from ..progress import progress_text
 from ..sanitize import sanitize
@@ -327,6 +329,35 @@ def _rerun(app: Celery, store: LeaseStore, run_id: str) -> ActionResult:
     return rerun_run(app, store, run_id)
 
 
+def _task_of(store: LeaseStore, run_id: str) -> str:
+    run = store.get(run_id)
+    if run is None:
+        raise RunNotFound(run_id)
+    return run.task_name
+
+
+def _pause(app: Celery, store: LeaseStore, run_id: str) -> ActionResult:
+    task_name = _task_of(store, run_id)
+    new = flow.pause(app, task_name, reason="paused from the web view", store=store)
+    status = "paused" if new else "already paused"
+    return ActionResult(
+        run_id,
+        status,
+        f"task {task_name} is {status} on every worker: its new deliveries are kept until "
+        "resume; running bodies finish",
+    )
+
+
+def _resume(app: Celery, store: LeaseStore, run_id: str) -> ActionResult:
+    task_name = _task_of(store, run_id)
+    sent = flow.resume(app, task_name, store=store)
+    return ActionResult(
+        run_id,
+        "resumed",
+        f"task {task_name} is resumed: {sent} kept deliveries published in the order they came",
+    )
+
+
 #: The actions, by the name their URL uses. A new one is one more entry.
 ACTIONS: dict[str, Action] = {
     action.name: action
@@ -346,6 +377,22 @@ ACTIONS: dict[str, Action] = {
             "published from its stored message.",
             lambda run: run.status in (FAILED, CANCELLED),
             _rerun,
+        ),
+        Action(
+            "pause",
+            "Pause task",
+            "Pause this run's task on every worker? Its new deliveries are kept in the lease "
+            "database until resume; running bodies finish.",
+            lambda run: True,
+            _pause,
+        ),
+        Action(
+            "resume",
+            "Resume task",
+            "Resume this run's task? The deliveries kept while it was paused are published "
+            "again in the order they came.",
+            lambda run: True,
+            _resume,
         ),
     )
 }
