@@ -29,6 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from ..config import LeaseConfig, celery_command
+from ..display import format_duration
 from ..errors import LeaseDatabaseError, LeaseError
 from ..owner import Owner
 from ..sanitize import safe_url, sanitize
@@ -182,32 +183,6 @@ def format_time(ms: int | None) -> str:
         return "-"
     moment = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
     return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
-
-
-def format_duration(ms: int) -> str:
-    """A short human duration: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
-    ms = abs(ms)
-    if ms < 1000:
-        return f"{ms}ms"
-    seconds = ms / 1000
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, sec = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{sec:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-def format_relative(ms: int | None, now: int) -> str:
-    """``ms`` relative to the database's ``now``: ``12.0s ago`` or ``in 3.1s``."""
-    if ms is None:
-        return "-"
-    delta = ms - now
-    return f"in {format_duration(delta)}" if delta > 0 else f"{format_duration(delta)} ago"
 
 
 def lease_left(record: RunRecord, now: int) -> str:

@@ -7,11 +7,11 @@ from typing import Any
 import click
 
 from .. import flow
+from ..display import format_relative
 from .common import (
     _echo_json,
     _open_store,
     _operator_errors,
-    format_relative,
     format_time,
     lease,
     render_table,

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from .. import dberrors
+from ..display import format_duration, format_relative
 from ..errors import LeaseError
 from ..sanitize import safe_url, sanitize
 from ..schema import (
@@ -22,8 +23,6 @@ from .common import (
     _echo_json,
     _open_store,
     _operator_errors,
-    format_duration,
-    format_relative,
     format_time,
     lease,
     record_data,

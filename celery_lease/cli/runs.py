@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ..actions import cancel_run, rerun_run
-from ..progress import progress_text
+from ..display import format_duration, format_relative, progress_text
 from ..schema import (
     RUNNING,
     STATUSES,
@@ -23,8 +23,6 @@ from .common import (
     _open_store,
     _operator_errors,
     _short_owner,
-    format_duration,
-    format_relative,
     format_time,
     lease,
     lease_left,

@@ -7,8 +7,8 @@ import time
 
 import click
 
+from ..display import format_duration, format_relative, progress_text
 from ..errors import LeaseError
-from ..progress import progress_text
 from ..schema import (
     QUEUED,
     RETRYING,
@@ -74,11 +74,11 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
                 common._short_owner(r.lease_owner),
                 f"{r.attempt}/{r.max_attempts}",
                 left if isinstance(left, str) else _time_left(left),
-                "-" if r.heartbeat_at is None else common.format_duration(now - r.heartbeat_at),
+                "-" if r.heartbeat_at is None else format_duration(now - r.heartbeat_at),
                 "-"
                 if r.cancel_requested_at is None
-                else common.format_relative(r.cancel_requested_at, now),
-                "-" if r.started_at is None else common.format_duration(now - r.started_at),
+                else format_relative(r.cancel_requested_at, now),
+                "-" if r.started_at is None else format_duration(now - r.started_at),
                 progress_text(r.progress_done, r.progress_total),
             )
         )
@@ -106,7 +106,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
 
 def _time_left(ms: int) -> str:
     """A lease's time left, or how long ago it expired."""
-    return common.format_duration(ms) if ms > 0 else f"expired {common.format_duration(ms)} ago"
+    return format_duration(ms) if ms > 0 else f"expired {format_duration(ms)} ago"
 
 
 @lease.command()

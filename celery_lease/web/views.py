@@ -16,9 +16,9 @@ from celery import Celery
 
 from .. import flow
 from ..actions import ActionResult, cancel_run, rerun_run
+from ..display import format_duration, format_relative, progress_text
 from ..errors import RunNotFound
 from ..owner import Owner
-from ..progress import progress_text
 from ..sanitize import sanitize
 from ..schema import (
     CANCELLED,
@@ -105,38 +105,13 @@ class Filters:
         return {**self.params(), **bound}
 
 
-# -- formatting (the same as the CLI's, without importing it) ------------------------
-
-
-def format_duration(ms: int) -> str:
-    """A short human duration: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
-    ms = abs(ms)
-    if ms < 1000:
-        return f"{ms}ms"
-    if ms < 60_000:
-        return f"{ms / 1000:.1f}s"
-    minutes, sec = divmod(ms // 1000, 60)
-    if minutes < 60:
-        return f"{minutes}m{sec:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-def ago(ms: int | None, now: int) -> str:
-    """``ms`` relative to the database's ``now``: ``12.0s ago`` or ``in 3.1s``; ``-``."""
-    if ms is None:
-        return "-"
-    delta = ms - now
-    return f"in {format_duration(delta)}" if delta > 0 else f"{format_duration(delta)} ago"
+# -- formatting ---------------------------------------------------------------------
 
 
 def past(ms: int | None, now: int) -> str:
     """A moment that has happened, relative to ``now``: a row written after the page read
     the database clock shows as ``0ms ago``, not in the future."""
-    return ago(None if ms is None else min(ms, now), now)
+    return format_relative(None if ms is None else min(ms, now), now)
 
 
 def time_left(run: RunSummary | RunRecord, now: int) -> str:
