@@ -355,8 +355,8 @@ def test_rate_limit_holds_across_two_workers_of_four_processes(cluster: Cluster)
 @TWO_SETUPS
 @pytest.mark.timeout(150)
 def test_each_rate_key_gets_its_own_rate(cluster: Cluster) -> None:
-    """lease_rate_key: two accounts limited to 2/s each run at their own 2/s side by side
-    (one shared bucket would give each 1/s)."""
+    """lease_rate_key: two accounts limited to 2/s each run at their own rate side by side,
+    never above it (one shared bucket would hold both together to 2/s)."""
     cluster.start("w1", concurrency=4)
     ids = [cluster.send("rate_keyed", account, n) for n in range(12) for account in ("a", "b")]
     wait_for(lambda: sum(cluster.status(i) == "succeeded" for i in ids) == 24, 90, what="24 runs")
@@ -364,6 +364,6 @@ def test_each_rate_key_gets_its_own_rate(cluster: Cluster) -> None:
         at = starts(cluster, f"start-{account}")
         assert len(at) == 12
         rate = (len(at) - 1) / (at[-1] - at[0])
-        assert 1.6 <= rate <= 2.2, (account, rate)
+        assert 1.2 <= rate <= 2.2, (account, rate)  # a loaded machine may fall behind
     both = starts(cluster, "start-a") + starts(cluster, "start-b")
-    assert (len(both) - 1) / (max(both) - min(both)) > 3.2  # not one shared bucket
+    assert (len(both) - 1) / (max(both) - min(both)) > 2.5  # not one shared 2/s bucket
