@@ -331,11 +331,13 @@ class WorkerInstance:
 
     Made in the worker's main process before the pool forks; the flag is an
     anonymous shared mapping, so a shutdown seen by the main process is seen
-    at once by every pool child.
+    at once by every pool child. ``controller`` returns Celery's worker
+    (``WorkController``) while it lives, in the main process.
     """
 
     id: str
     flag: mmap.mmap
+    controller: Callable[[], object] = lambda: None
 
 
 def worker_id(app: Celery) -> str | None:

@@ -60,7 +60,8 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
                 f"celery-lease: worker not started: ImproperlyConfigured: {sanitize(message)}"
             ) from None
         # Receivers are connected once per app: they read the current worker.
-        if app_runtime(app).attach_worker(WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1))):
+        instance = WorkerInstance(uuid.uuid4().hex, mmap.mmap(-1, 1), weakref.ref(parent))
+        if app_runtime(app).attach_worker(instance):
             _connect_receivers(app)
         register_sweep_task(app)
         super().__init__(parent, **kwargs)
@@ -289,11 +290,13 @@ def _on_worker_shutting_down(app: Celery, how: str) -> None:
     """The worker begins to shut down: claim nothing new; on a cold one, hand leases back.
 
     A warm shutdown waits for running bodies, so their leases stay held and
-    they finish under them. On a cold shutdown Celery has already cancelled
-    the running bodies (their pool processes are terminated) when this runs:
-    their runs become ``retrying``, available now, and are re-enqueued, so
-    another worker takes them over at once instead of after expiry. Only
-    leases whose owner carries this worker's id are touched.
+    they finish under them. On a cold shutdown the worker stops consuming
+    (:func:`_stop_consuming`), then its runs become ``retrying``, available
+    now, and are re-enqueued, so another worker takes them over at once
+    instead of after expiry. Celery 5.5 and later have cancelled the running
+    bodies by then; on 5.4 they are terminated just after, and a body that
+    reaches its lease first finds it lost. Only leases whose owner carries
+    this worker's id are touched.
     """
     instance = app_runtime(app).worker
     if instance is None:
@@ -301,6 +304,7 @@ def _on_worker_shutting_down(app: Celery, how: str) -> None:
     instance.flag[0] = 1
     if how != "Cold":
         return
+    _stop_consuming(instance)
     pid = os.getpid()
     for runtime in list(app_runtime(app).databases.values()):
         if runtime.pid != pid:
@@ -316,6 +320,27 @@ def _on_worker_shutting_down(app: Celery, how: str) -> None:
         handed = SweepReport()
         requeue_all(app, released, handed, "handoff", runtime.store)
         record_ended(app, runtime.store, handed.failed + handed.cancelled)
+
+
+def _stop_consuming(instance: WorkerInstance) -> None:
+    """Stop the worker's task consumer before its leases are handed back.
+
+    Celery 5.5 and later cancel it themselves before this signal; Celery 5.4
+    sends the signal while the worker still consumes, so a run handed back
+    would come back to this very worker. A pool child of it, terminated while
+    handing that delivery on, could swallow the SIGTERM (billiard raises
+    ``SystemExit`` from the handler, and Python drops it inside a garbage
+    collection callback) and keep the worker from ever exiting. Cancelling
+    again is a no-op; a failure is logged, never raised.
+    """
+    consumer = getattr(instance.controller(), "consumer", None)
+    task_consumer = getattr(consumer, "task_consumer", None)
+    if task_consumer is None:
+        return
+    try:
+        task_consumer.cancel()
+    except Exception as exc:  # the broker may be gone: the hand-back goes on
+        logger.debug("celery-lease: could not stop consuming: %s", describe_exception(exc))
 
 
 def _on_task_revoked(

@@ -407,6 +407,8 @@ def test_cold_shutdown_hand_back_resumes_from_the_checkpoint(cluster: Cluster) -
     holder = workers[row.lease_owner.partition("@")[0]]
     holder.proc.send_signal(signal.SIGQUIT)  # the main process only: a cold shutdown
     holder.proc.wait(30)
+    # It stopped consuming before handing the run back: the run never came back to it.
+    assert "delivery handed on" not in holder.log()
     wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="the other to finish")
     resumes = kinds(cluster, run_id, "resume")
     returned = max(int(n) for a, n in kinds(cluster, run_id, "ckpt") if a == 1)
