@@ -35,7 +35,15 @@ from celery_lease.lease.lease import Lease
 from celery_lease.runtime import store_for
 from tests.helpers import scratch_database
 
-from .common import REPO, check_loopback, median, pg_admin_url, pg_settings, table
+from .common import (
+    REPO,
+    check_loopback,
+    marked_section,
+    median,
+    pg_admin_url,
+    pg_settings,
+    table,
+)
 from .sql import Counter, held_leases, runtime_heartbeat_stop
 
 DOC = REPO / "docs" / "benchmarks.md"
@@ -205,17 +213,10 @@ def section(body: str, command: str, settings: str) -> str:
     )
 
 
-def kept_section(page: str) -> str:
-    """The checkpoint section of an existing ``docs/benchmarks.md`` (run_all keeps it)."""
-    if BEGIN in page and END in page:
-        return page[page.index(BEGIN) : page.index(END) + len(END)]
-    return ""
-
-
 def write_section(text_: str) -> None:
     """Put the section into ``docs/benchmarks.md`` (replacing an older one)."""
     page = DOC.read_text()
-    old = kept_section(page)
+    old = marked_section(page, BEGIN, END)
     if old:
         page = page.replace(old, text_)
     else:

@@ -103,6 +103,14 @@ def read_marks(folder: Path) -> list[tuple[str, list[str]]]:
     return marks
 
 
+def marked_section(page: str, begin: str, end: str) -> str:
+    """The part of ``page`` from the ``begin`` marker to the ``end`` marker, both kept
+    ("" when either is missing): a section of ``docs/benchmarks.md`` measured apart."""
+    if begin in page and end in page:
+        return page[page.index(begin) : page.index(end) + len(end)]
+    return ""
+
+
 def median(values: list[float]) -> float:
     """The median, or NaN for no values."""
     return statistics.median(values) if values else float("nan")

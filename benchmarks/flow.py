@@ -29,13 +29,6 @@ from tests.helpers import Worker, driver_statements, scratch_database
 BEGIN, END = "<!-- flow:begin -->", "<!-- flow:end -->"
 
 
-def kept_section(page: str) -> str:
-    """The flow-control section of an existing ``docs/benchmarks.md``."""
-    if BEGIN in page and END in page:
-        return page[page.index(BEGIN) : page.index(END) + len(END)]
-    return ""
-
-
 #: (limit, tasks): each run lasts about ten seconds of slots (1/s: 15 s); "none" is the
 #: same set-up unlimited (a task of the same body): the machine's ceiling.
 RATES = [("1/s", 16), ("10/s", 101), ("100/s", 1001), ("none", 1001)]

@@ -59,7 +59,7 @@ from celery_lease.store import PURGE_BATCH, LeaseStore
 from celery_lease.sweeper import sweep
 from tests.helpers import scratch_database
 
-from .common import REPO, check_loopback, pg_admin_url, pg_settings
+from .common import REPO, check_loopback, marked_section, pg_admin_url, pg_settings
 
 DAY_MS = 86_400_000
 RETENTION_S = 7 * 86_400.0
@@ -429,7 +429,7 @@ def section(body: str, results: list[dict[str, Any]], command: str, settings: st
 def write_section(text_: str) -> None:
     """Put the section into ``docs/benchmarks.md`` (replacing an older one)."""
     page = DOC.read_text()
-    old = kept_section(page)
+    old = marked_section(page, BEGIN, END)
     if old:
         page = page.replace(old, text_)
     else:
@@ -439,13 +439,6 @@ def write_section(text_: str) -> None:
         else:
             page = page.rstrip() + "\n\n" + text_ + "\n"
     DOC.write_text(page)
-
-
-def kept_section(page: str) -> str:
-    """The retention section of an existing ``docs/benchmarks.md`` (run_all keeps it)."""
-    if BEGIN in page and END in page:
-        return page[page.index(BEGIN) : page.index(END) + len(END)]
-    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

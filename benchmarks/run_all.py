@@ -34,6 +34,7 @@ from .common import (
     REPO,
     amqp_url,
     check_loopback,
+    marked_section,
     pg_admin_url,
     pg_settings,
     pgbouncer_url,
@@ -179,19 +180,19 @@ def render(
         sections.get("contention", "(not run)"),
         "",
         # Measured apart (python -m benchmarks.checkpoint): kept as it is.
-        checkpoint.kept_section(page),
+        marked_section(page, checkpoint.BEGIN, checkpoint.END),
         "",
         # Measured apart (python -m benchmarks.retention, a million rows): kept as it is.
-        retention.kept_section(page),
+        marked_section(page, retention.BEGIN, retention.END),
         "",
         # Measured apart (python -m benchmarks.web, a million rows): kept as it is.
-        web.kept_section(page),
+        marked_section(page, web.BEGIN, web.END),
         "",
         # The CPU accounting (benchmarks.worker_cpu, benchmarks.hotpath): kept as it is.
-        worker_cpu.kept_section(page),
+        marked_section(page, worker_cpu.BEGIN, worker_cpu.END),
         "",
         # Flow control (python -m benchmarks.flow): kept as it is.
-        flow.kept_section(page),
+        marked_section(page, flow.BEGIN, flow.END),
     ]
     return "\n".join(str(p) for p in parts).rstrip() + "\n"
 

@@ -190,13 +190,6 @@ def report(results: list[dict[str, Any]], rows: int, requests: int) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def kept_section(page: str) -> str:
-    """The web view's section of an existing ``docs/benchmarks.md`` (run_all keeps it)."""
-    if BEGIN in page and END in page:
-        return page[page.index(BEGIN) : page.index(END) + len(END)]
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.web", description=__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000)

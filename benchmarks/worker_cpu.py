@@ -44,13 +44,6 @@ BEGIN = "<!-- cpu:begin -->"
 END = "<!-- cpu:end -->"
 
 
-def kept_section(page: str) -> str:
-    """The CPU accounting section of an existing ``docs/benchmarks.md``."""
-    if BEGIN in page and END in page:
-        return page[page.index(BEGIN) : page.index(END) + len(END)]
-    return ""
-
-
 SET_UPS = {
     # name: (broker, lease database)
     "sqlite": ("filesystem", "sqlite"),
