@@ -24,6 +24,10 @@ PGBOUNCER_ID = "pgbouncer-redis"
 #: PostgreSQL + RabbitMQ, for the tests about redelivery (acks_late, kill -9, busy re-publish).
 AMQP_SETUP = ("postgresql", "amqp")
 AMQP_ID = "pg-amqp"
+#: MariaDB + Redis, for the worker tests whose statements differ on a MySQL-family database
+#: (claims, takeovers, sweeps, hand-backs, checkpoints, flow control).
+MARIADB_SETUP = ("mysql", "redis")
+MARIADB_ID = "mariadb-redis"
 
 
 class Cluster:

@@ -21,7 +21,7 @@ from celery_lease.schema import MAX_CHECKPOINT_BYTES, runs
 from celery_lease.store.records import Progress
 
 from . import test_rerun_top as rerun_top
-from .cluster import SETUP_IDS, SETUPS, Cluster
+from .cluster import MARIADB_ID, MARIADB_SETUP, SETUP_IDS, SETUPS, Cluster
 from .helpers import Worker, driver_statements, wait_for
 
 
@@ -254,6 +254,12 @@ def test_checkpoint_survives_release_retry_and_sweep(store: LeaseStore) -> None:
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
 )
+TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
+    "cluster",
+    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
+    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
+    indirect=True,
+)
 #: A lease long enough that only LeaseStore.expire() ends it.
 LONG_LEASE = {"CL_LEASE_SECONDS": "30", "CL_HEARTBEAT": "1"}
 SWEEP = {"lease_sweep_interval": 0.5}
@@ -281,7 +287,7 @@ def kill_and_recover(cluster: Cluster, worker: Any, run_id: str) -> None:
     wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="the resumed run")
 
 
-@TWO_SETUPS
+@TWO_SETUPS_AND_MARIADB
 @pytest.mark.timeout(120)
 def test_resume_after_kill9_from_the_last_checkpoint_that_returned(cluster: Cluster) -> None:
     """A 100-item job checkpointing every 10 is killed with kill -9; the next attempt's

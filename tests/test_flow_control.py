@@ -20,13 +20,19 @@ from celery_lease import LeaseBusy, LeaseConfig, LeasedTask, LeaseStore
 from celery_lease.flow import FlowPump, release
 from celery_lease.runtime import store_for
 from celery_lease.schema import HELD_PAUSED, HELD_RATE
-from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.cluster import MARIADB_ID, MARIADB_SETUP, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import driver_statements, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
+    "cluster",
+    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
+    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
+    indirect=True,
 )
 
 
@@ -289,7 +295,7 @@ def test_sweep_publishes_what_a_dead_resume_left(app: Celery, tmp_path: Path) ->
 # -- real workers ---------------------------------------------------------------------
 
 
-@TWO_SETUPS
+@TWO_SETUPS_AND_MARIADB
 @pytest.mark.timeout(150)
 def test_pause_stops_new_bodies_and_resume_runs_each_held_delivery_once(
     cluster: Cluster,
@@ -336,7 +342,7 @@ def test_pause_by_key_holds_that_key_only(cluster: Cluster) -> None:
         assert len(cluster.effects(run_id, "start")) == 1
 
 
-@TWO_SETUPS
+@TWO_SETUPS_AND_MARIADB
 @pytest.mark.timeout(180)
 def test_rate_limit_holds_across_two_workers_of_four_processes(cluster: Cluster) -> None:
     """lease_rate_limit='5/s' on 2 workers x 4 processes: 60 runs start at 4 to 5.5/s,

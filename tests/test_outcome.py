@@ -17,12 +17,23 @@ from celery import chain, chord
 from celery.result import AsyncResult
 
 from celery_lease.errors import RunFailed
-from tests.cluster import AMQP_ID, AMQP_SETUP, SETUP_IDS, SETUPS, Cluster
+from tests.cluster import (
+    AMQP_ID,
+    AMQP_SETUP,
+    MARIADB_ID,
+    MARIADB_SETUP,
+    SETUP_IDS,
+    SETUPS,
+    Cluster,
+)
 from tests.helpers import Worker, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 AMQP = pytest.mark.parametrize("cluster", [AMQP_SETUP], ids=[AMQP_ID], indirect=True)
+PG_AND_MARIADB = pytest.mark.parametrize(
+    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
+)
 FAST = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
 SHORT = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5"}
 
@@ -83,7 +94,7 @@ def test_crash_after_commit_resolves_chain_and_chord(cluster: Cluster, tmp_path:
     assert row is not None and row.status == "succeeded" and row.result == b"2"
 
 
-@PG_REDIS
+@PG_AND_MARIADB
 @pytest.mark.timeout(150)
 def test_sweeper_ended_run_records_failure_and_runs_link_error_once(cluster: Cluster) -> None:
     """lease_max_attempts=1 and kill -9: the sweeper ends the run failed and the caller

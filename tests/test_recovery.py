@@ -9,7 +9,15 @@ import time
 import pytest
 
 from celery_lease.store import LeaseStore
-from tests.cluster import AMQP_ID, AMQP_SETUP, SETUP_IDS, SETUPS, Cluster
+from tests.cluster import (
+    AMQP_ID,
+    AMQP_SETUP,
+    MARIADB_ID,
+    MARIADB_SETUP,
+    SETUP_IDS,
+    SETUPS,
+    Cluster,
+)
 from tests.helpers import wait_for
 
 FAST_RETRY = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
@@ -18,10 +26,16 @@ PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], i
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
 )
+TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
+    "cluster",
+    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
+    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
+    indirect=True,
+)
 TWO_SETUPS_AND_AMQP = pytest.mark.parametrize(
     "cluster",
-    [SETUPS[0], SETUPS[2], AMQP_SETUP],
-    ids=[SETUP_IDS[0], SETUP_IDS[2], AMQP_ID],
+    [SETUPS[0], SETUPS[2], AMQP_SETUP, MARIADB_SETUP],
+    ids=[SETUP_IDS[0], SETUP_IDS[2], AMQP_ID, MARIADB_ID],
     indirect=True,
 )
 
@@ -239,7 +253,7 @@ def test_warm_shutdown_claims_no_new_run(cluster: Cluster) -> None:
     assert f"run {second}: claimed" not in w1.log()
 
 
-@TWO_SETUPS
+@TWO_SETUPS_AND_MARIADB
 @pytest.mark.timeout(120)
 def test_cold_shutdown_hands_lease_back_well_before_expiry(cluster: Cluster) -> None:
     """SIGQUIT (cold shutdown) stops the body; its lease is handed back at once, so another
@@ -336,7 +350,7 @@ def test_interrupt_stops_a_body_that_never_checks(cluster: Cluster, pool: str) -
     cluster.store.complete(run_id, "thief", 2)
 
 
-@TWO_SETUPS
+@TWO_SETUPS_AND_MARIADB
 @pytest.mark.timeout(240)
 def test_per_key_concurrency_limit_holds_across_eight_processes(cluster: Cluster) -> None:
     """8 worker processes, 40 runs on one key, lease_max_concurrency = 2: bodies never

@@ -162,13 +162,16 @@ def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> N
 @pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 @pytest.mark.timeout(120)
 def test_rerun_of_a_revoked_run_runs_under_a_new_task_id(cluster: Cluster) -> None:
-    """Celery's revoke() of a run waiting for its retry cancels it; `lease rerun` publishes
+    """Celery's revoke() of a run cancels it once its retry is due; `lease rerun` publishes
     it under a new task id (Celery's revoke list holds the old one), linked to the old
     one by a header, and the same run (same id) runs to succeeded."""
     slow_retry = {"lease_retry_backoff": 4, "lease_retry_backoff_max": 4, "lease_max_attempts": 3}
     w1 = cluster.start("w1", conf=slow_retry)
-    run_id = cluster.send("workerapp.flaky", 1)  # fails on attempt 1, succeeds on 2
-    wait_for(lambda: cluster.status(run_id) == "retrying", 30, what="attempt 1 to fail")
+    # Attempt 1 fails after 3 s, succeeds on 2. The revoke is sent while attempt 1 runs:
+    # sent once the run was retrying, it lost the race with a retry whose full-jitter
+    # delay came out under the broadcast's ~20 ms.
+    run_id = cluster.send("workerapp.flaky", 1, 3.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="attempt 1 to start")
     cluster.producer.control.revoke(run_id)
     wait_for(lambda: cluster.status(run_id) == "cancelled", 30, what="the revoke to cancel it")
     proc = lease_cli(cluster, "rerun", run_id, conf=slow_retry)

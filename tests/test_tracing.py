@@ -32,11 +32,14 @@ from celery_lease.errors import LeaseDatabaseError, LeaseInputError
 from celery_lease.runtime import app_config, app_runtime, runtime_for, store_for
 from celery_lease.schema import check_claim_inputs
 from celery_lease.tracing import continued_context, format_traceparent, parse_traceparent
-from tests.cluster import SETUP_IDS, SETUPS, Cluster
+from tests.cluster import MARIADB_ID, MARIADB_SETUP, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import REPO, driver_statements, wait_for
 
 SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
 PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+PG_AND_MARIADB = pytest.mark.parametrize(
+    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
+)
 
 
 @pytest.fixture
@@ -512,7 +515,7 @@ def test_worker_lost_lease_events(cluster: Cluster, tmp_path: Path) -> None:
     assert not any(e["name"].startswith("celery_lease.renew") for e in span["events"])
 
 
-@PG_REDIS
+@PG_AND_MARIADB
 @pytest.mark.timeout(120)
 def test_kill9_recovery_links_to_the_dead_attempt(cluster: Cluster, tmp_path: Path) -> None:
     """kill -9 a worker mid-run: the sweeper re-publishes it, and the new attempt's claim

@@ -19,6 +19,8 @@ import pytest
 from tests.cluster import (
     AMQP_ID,
     AMQP_SETUP,
+    MARIADB_ID,
+    MARIADB_SETUP,
     PGBOUNCER_ID,
     PGBOUNCER_SETUP,
     SETUP_IDS,
@@ -39,6 +41,20 @@ WITH_PGBOUNCER_AND_AMQP = pytest.mark.parametrize(
     ids=[*SETUP_IDS, PGBOUNCER_ID, AMQP_ID],
     indirect=True,
 )
+#: Every set-up: the three, PgBouncer, RabbitMQ and MariaDB.
+EVERY_SETUP = pytest.mark.parametrize(
+    "cluster",
+    [*SETUPS, PGBOUNCER_SETUP, AMQP_SETUP, MARIADB_SETUP],
+    ids=[*SETUP_IDS, PGBOUNCER_ID, AMQP_ID, MARIADB_ID],
+    indirect=True,
+)
+#: The three, PgBouncer and MariaDB.
+WITH_PGBOUNCER_AND_MARIADB = pytest.mark.parametrize(
+    "cluster",
+    [*SETUPS, PGBOUNCER_SETUP, MARIADB_SETUP],
+    ids=[*SETUP_IDS, PGBOUNCER_ID, MARIADB_ID],
+    indirect=True,
+)
 
 
 @WITH_PGBOUNCER_AND_AMQP
@@ -53,7 +69,7 @@ def test_task_succeeds_with_attempt_one(cluster: Cluster) -> None:
     assert len(cluster.effects(run_id, "commit")) == 1
 
 
-@WITH_PGBOUNCER_AND_AMQP
+@EVERY_SETUP
 @pytest.mark.timeout(120)
 def test_duplicate_delivery_runs_body_once(cluster: Cluster) -> None:
     """The same task id delivered twice while the first runs: the body runs once."""
@@ -75,7 +91,7 @@ def test_duplicate_delivery_runs_body_once(cluster: Cluster) -> None:
     assert row is not None and row.attempt == 1
 
 
-@WITH_PGBOUNCER
+@WITH_PGBOUNCER_AND_MARIADB
 @pytest.mark.timeout(150)
 def test_paused_worker_completion_refused_after_takeover(cluster: Cluster) -> None:
     """SIGSTOP a worker past its lease; another takes over; after SIGCONT its completion

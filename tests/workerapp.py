@@ -129,7 +129,7 @@ effects = Table(
     Column("attempt", Integer, nullable=False),
     Column("kind", String(32), nullable=False),
     Column("pid", Integer, nullable=False),
-    Column("at", Float, nullable=False),
+    Column("at", Float(precision=53), nullable=False),  # a double: MySQL FLOAT has 4 bytes
 )
 
 _engine: Any = None
@@ -212,10 +212,11 @@ def watch(self: LeasedTask, seconds: float) -> str:
 
 
 @app.task(base=LeasedTask, bind=True, name="workerapp.flaky")
-def flaky(self: LeasedTask, fail_until_attempt: int) -> str:
-    """Raise on attempts up to ``fail_until_attempt``, then commit."""
+def flaky(self: LeasedTask, fail_until_attempt: int, pause: float = 0.0) -> str:
+    """Raise on attempts up to ``fail_until_attempt`` (after ``pause`` s), then commit."""
     record(self.lease.run_id, self.lease.attempt, "start")
     if self.lease.attempt <= fail_until_attempt:
+        time.sleep(pause)
         raise ConnectionError(
             "upstream refused: postgresql://billing:s3cr3t-pw@db.internal:5432/pay "
             "with Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload.sig"
