@@ -23,6 +23,8 @@ from tests.chaos.history import History, check, guarded_overlaps
 from tests.cluster import (
     AMQP_ID,
     AMQP_SETUP,
+    MARIADB_ID,
+    MARIADB_SETUP,
     PGBOUNCER_ID,
     PGBOUNCER_SETUP,
     SETUP_IDS,
@@ -38,12 +40,16 @@ ON_PG = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indi
 ON_PG_AND_PGBOUNCER = pytest.mark.parametrize(
     "cluster", [SETUPS[2], PGBOUNCER_SETUP], ids=[SETUP_IDS[2], PGBOUNCER_ID], indirect=True
 )
-#: The same, and PostgreSQL + RabbitMQ.
-ON_PG_PGBOUNCER_AND_AMQP = pytest.mark.parametrize(
+#: The same, PostgreSQL + RabbitMQ and MariaDB + Redis.
+ON_EVERY_SERVER = pytest.mark.parametrize(
     "cluster",
-    [SETUPS[2], PGBOUNCER_SETUP, AMQP_SETUP],
-    ids=[SETUP_IDS[2], PGBOUNCER_ID, AMQP_ID],
+    [SETUPS[2], PGBOUNCER_SETUP, AMQP_SETUP, MARIADB_SETUP],
+    ids=[SETUP_IDS[2], PGBOUNCER_ID, AMQP_ID, MARIADB_ID],
     indirect=True,
+)
+#: PostgreSQL + Redis and MariaDB + Redis.
+ON_PG_AND_MARIADB = pytest.mark.parametrize(
+    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
 )
 
 TIMING = {
@@ -92,7 +98,7 @@ def pg_control() -> Iterator[tuple[str, str]]:
     yield str(data), bin_dir
 
 
-@ON_PG_PGBOUNCER_AND_AMQP
+@ON_EVERY_SERVER
 @pytest.mark.timeout(400)
 def test_kill9_random_workers_during_300_runs(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
@@ -117,7 +123,7 @@ def test_kill9_random_workers_during_300_runs(
     )
 
 
-@ON_PG
+@ON_PG_AND_MARIADB
 @pytest.mark.timeout(240)
 def test_sigstop_stale_worker_commits_nothing(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
