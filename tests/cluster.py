@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from celery import Celery
 from sqlalchemy import select
 
@@ -28,6 +29,17 @@ AMQP_ID = "pg-amqp"
 #: (claims, takeovers, sweeps, hand-backs, checkpoints, flow control).
 MARIADB_SETUP = ("mysql", "redis")
 MARIADB_ID = "mariadb-redis"
+#: SQLite + filesystem, PostgreSQL + Redis and MariaDB + Redis.
+TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
+    "cluster",
+    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
+    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
+    indirect=True,
+)
+#: PostgreSQL + Redis and MariaDB + Redis.
+PG_AND_MARIADB = pytest.mark.parametrize(
+    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
+)
 
 
 class Cluster:

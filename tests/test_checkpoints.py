@@ -21,7 +21,7 @@ from celery_lease.schema import MAX_CHECKPOINT_BYTES, runs
 from celery_lease.store.records import Progress
 
 from . import test_rerun_top as rerun_top
-from .cluster import MARIADB_ID, MARIADB_SETUP, SETUP_IDS, SETUPS, Cluster
+from .cluster import SETUP_IDS, SETUPS, TWO_SETUPS_AND_MARIADB, Cluster
 from .helpers import Worker, driver_statements, wait_for
 
 
@@ -253,12 +253,6 @@ def test_checkpoint_survives_release_retry_and_sweep(store: LeaseStore) -> None:
 
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
-)
-TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
-    "cluster",
-    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
-    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
-    indirect=True,
 )
 #: A lease long enough that only LeaseStore.expire() ends it.
 LONG_LEASE = {"CL_LEASE_SECONDS": "30", "CL_HEARTBEAT": "1"}

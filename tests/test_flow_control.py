@@ -20,19 +20,13 @@ from celery_lease import LeaseBusy, LeaseConfig, LeasedTask, LeaseStore
 from celery_lease.flow import FlowPump, release
 from celery_lease.runtime import store_for
 from celery_lease.schema import HELD_PAUSED, HELD_RATE
-from tests.cluster import MARIADB_ID, MARIADB_SETUP, SETUP_IDS, SETUPS, Cluster
+from tests.cluster import SETUP_IDS, SETUPS, TWO_SETUPS_AND_MARIADB, Cluster
 from tests.helpers import driver_statements, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
-)
-TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
-    "cluster",
-    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
-    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
-    indirect=True,
 )
 
 

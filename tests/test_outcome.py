@@ -20,8 +20,7 @@ from celery_lease.errors import RunFailed
 from tests.cluster import (
     AMQP_ID,
     AMQP_SETUP,
-    MARIADB_ID,
-    MARIADB_SETUP,
+    PG_AND_MARIADB,
     SETUP_IDS,
     SETUPS,
     Cluster,
@@ -31,9 +30,6 @@ from tests.helpers import Worker, wait_for
 REPO = Path(__file__).resolve().parent.parent
 PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 AMQP = pytest.mark.parametrize("cluster", [AMQP_SETUP], ids=[AMQP_ID], indirect=True)
-PG_AND_MARIADB = pytest.mark.parametrize(
-    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
-)
 FAST = {"lease_retry_backoff": 0.2, "lease_retry_backoff_max": 1.0}
 SHORT = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5"}
 

@@ -16,6 +16,7 @@ from tests.cluster import (
     MARIADB_SETUP,
     SETUP_IDS,
     SETUPS,
+    TWO_SETUPS_AND_MARIADB,
     Cluster,
 )
 from tests.helpers import wait_for
@@ -25,12 +26,6 @@ SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], 
 PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 TWO_SETUPS = pytest.mark.parametrize(
     "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
-)
-TWO_SETUPS_AND_MARIADB = pytest.mark.parametrize(
-    "cluster",
-    [SETUPS[0], SETUPS[2], MARIADB_SETUP],
-    ids=[SETUP_IDS[0], SETUP_IDS[2], MARIADB_ID],
-    indirect=True,
 )
 TWO_SETUPS_AND_AMQP = pytest.mark.parametrize(
     "cluster",

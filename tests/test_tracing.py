@@ -32,14 +32,11 @@ from celery_lease.errors import LeaseDatabaseError, LeaseInputError
 from celery_lease.runtime import app_config, app_runtime, runtime_for, store_for
 from celery_lease.schema import check_claim_inputs
 from celery_lease.tracing import continued_context, format_traceparent, parse_traceparent
-from tests.cluster import MARIADB_ID, MARIADB_SETUP, SETUP_IDS, SETUPS, Cluster
+from tests.cluster import PG_AND_MARIADB, SETUP_IDS, SETUPS, Cluster
 from tests.helpers import REPO, driver_statements, wait_for
 
 SQLITE_FS = pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
 PG_REDIS = pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
-PG_AND_MARIADB = pytest.mark.parametrize(
-    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
-)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from tests.cluster import (
     AMQP_SETUP,
     MARIADB_ID,
     MARIADB_SETUP,
+    PG_AND_MARIADB,
     PGBOUNCER_ID,
     PGBOUNCER_SETUP,
     SETUP_IDS,
@@ -46,10 +47,6 @@ ON_EVERY_SERVER = pytest.mark.parametrize(
     [SETUPS[2], PGBOUNCER_SETUP, AMQP_SETUP, MARIADB_SETUP],
     ids=[SETUP_IDS[2], PGBOUNCER_ID, AMQP_ID, MARIADB_ID],
     indirect=True,
-)
-#: PostgreSQL + Redis and MariaDB + Redis.
-ON_PG_AND_MARIADB = pytest.mark.parametrize(
-    "cluster", [SETUPS[2], MARIADB_SETUP], ids=[SETUP_IDS[2], MARIADB_ID], indirect=True
 )
 
 TIMING = {
@@ -123,7 +120,7 @@ def test_kill9_random_workers_during_300_runs(
     )
 
 
-@ON_PG_AND_MARIADB
+@PG_AND_MARIADB
 @pytest.mark.timeout(240)
 def test_sigstop_stale_worker_commits_nothing(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
