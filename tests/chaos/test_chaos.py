@@ -25,7 +25,6 @@ from tests.cluster import (
     AMQP_SETUP,
     MARIADB_ID,
     MARIADB_SETUP,
-    PG_AND_MARIADB,
     PGBOUNCER_ID,
     PGBOUNCER_SETUP,
     SETUP_IDS,
@@ -120,7 +119,7 @@ def test_kill9_random_workers_during_300_runs(
     )
 
 
-@PG_AND_MARIADB
+@ON_PG
 @pytest.mark.timeout(240)
 def test_sigstop_stale_worker_commits_nothing(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
