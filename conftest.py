@@ -7,9 +7,23 @@ start real ``celery worker`` subprocesses themselves (see tests/helpers.py).
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+from celery._state import _set_task_join_will_block
+
 pytest_plugins = ("celery.contrib.pytest",)
+
+
+@pytest.fixture(autouse=True)
+def _joins_allowed_after_in_process_workers() -> Iterator[None]:
+    """An in-process worker (``start_worker``) marks the process as a worker's, where
+    ``AsyncResult.get()`` raises "Never call result.get() within a task!". Celery 5.5+
+    clears the mark when ``start_worker`` exits; 5.4 (the oldest we support) leaves it set
+    for every later test in the same xdist process. Clear it after each test."""
+    yield
+    _set_task_join_will_block(False)
 
 
 _SERVER_ENV = re.compile(r"\bCELERY_LEASE_TEST_[A-Z_]+\b")

@@ -31,7 +31,7 @@ from typing import Any
 from celery import Celery
 
 from celery_lease import LeasedTask, LeaseStore
-from celery_lease.lease.lease import Lease
+from celery_lease.lease.lease import Lease, Standalone
 from celery_lease.runtime import store_for
 from tests.helpers import scratch_database
 
@@ -63,7 +63,9 @@ def checkpoint_calls(url: str, calls: int, rounds: int) -> dict[str, dict[str, f
     owner = f"bench:{uuid.uuid4().hex}"
     run_id = f"ckpt-{uuid.uuid4().hex[:8]}"
     claim = store.claim(run_id, owner, task_name="bench", lease_ms=3_600_000, max_attempts=5)
-    lease = Lease(store, run_id, owner, claim.attempt, lease_seconds=3600, heartbeat_interval=1200)
+    lease = Lease(
+        Standalone(store), run_id, owner, claim.attempt, lease_seconds=3600, heartbeat_interval=1200
+    )
     counter = Counter(*store.engines)
     for _ in range(50):
         lease.checkpoint(STATES["small (40 B)"])

@@ -107,13 +107,13 @@ def memory(admin: str, redis: str, messages: int) -> list[object]:
                 # Every message reached a worker once: deferred into the database, or run
                 # (a few are between the two: published with their countdown).
                 peak.append(fleet_rss(started))
-                deferred = sum(cluster.store.flow_counts().deferred.values())
-                ran = sum(cluster.store.stats()["counts"].values())
+                deferred = sum(cluster.store.flow.flow_counts().deferred.values())
+                ran = sum(cluster.store.reads.stats()["counts"].values())
                 return deferred + ran >= messages - 5
 
             wait_for(settled, messages / 5 + 120, 2.0, what="every delivery deferred or run")
             took = time.monotonic() - t0
-            held = sum(cluster.store.flow_counts().deferred.values())
+            held = sum(cluster.store.flow.flow_counts().deferred.values())
             main = max(m for m, _ in peak)
             children = max(c for _, c in peak)
             return [

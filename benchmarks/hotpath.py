@@ -33,12 +33,13 @@ from typing import Any
 from celery import Celery
 from celery.app.trace import build_tracer
 
-from celery_lease import LeasedTask
-from celery_lease.lease.lease import Lease, bind_current
+from celery_lease import LeasedTask, schema
+from celery_lease.lease.lease import Lease, Standalone, bind_current
 from celery_lease.lease.watchdog import process_watchdog
 from celery_lease.owner import new_owner
 from celery_lease.run import runids
-from celery_lease.run.attempt import Attempt
+from celery_lease.run.delivery import Delivery
+from celery_lease.run.task import task_hooks
 from celery_lease.runtime import runtime_for, shutting_down, worker_id
 
 from .common import median, table
@@ -145,7 +146,10 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
         args, kwargs = (1,), {}
         out.append(("lease_config() (cached)", _timeit(task.lease_config, n)))
         out.append(
-            ("run_id_of()", _timeit(lambda: runids.run_id_of(task, task.request, args, kwargs), n))
+            (
+                "run_id_of()",
+                _timeit(lambda: runids.run_id_of(task.name, config, task.request, args, kwargs), n),
+            )
         )
         out.append(("shutting_down()", _timeit(lambda: shutting_down(app), n)))
         out.append(("runtime_for()", _timeit(lambda: runtime_for(app, config), n)))
@@ -155,9 +159,12 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
                 _timeit(lambda: new_owner(request["hostname"], worker_id(app)), n),
             )
         )
-        attempt = Attempt(task, args, kwargs)
-        out.append(("payload() (message + serialize)", _timeit(lambda: runids.payload(attempt), n)))
-        payload = runids.payload(attempt)
+        hooks = task_hooks(task, config)
+        out.append(("task_hooks() (cached)", _timeit(lambda: task_hooks(task, config), n)))
+        out.append(("Delivery()", _timeit(lambda: Delivery(task, args, kwargs, config, hooks), n)))
+        delivery = Delivery(task, args, kwargs, config, hooks)
+        out.append(("payload() (message + serialize)", _timeit(delivery.stored_message, n)))
+        payload = delivery.stored_message()
         ids = iter(range(10**9))
 
         def claim_complete() -> None:
@@ -205,7 +212,7 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
 
         def new_lease() -> Lease:
             return Lease(
-                store,
+                Standalone(store, events=runtime.events),
                 "r",
                 "o",
                 1,
@@ -214,7 +221,6 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
                 started_at=time.monotonic(),
                 interrupt=config.interrupt,
                 max_attempts=5,
-                events=runtime.events,
             )
 
         def lease_cycle() -> None:
@@ -233,7 +239,7 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
 
         out.append(("  of which Lease()", _timeit(new_lease, n)))
         lease = Lease(
-            store,
+            Standalone(store),
             "r",
             "o",
             1,
@@ -254,6 +260,16 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
             watchdog.unwatch(lease)
 
         out.append(("  of which watchdog watch + unwatch", _timeit(watch, n)))
+        # Last, as it changes the table: what the runs table's secondary indexes (sweeper,
+        # per-key concurrency, retention, the web view's pages) cost the two statements.
+        for index in schema.runs.indexes:
+            index.drop(store.engine)
+        out.append(
+            (
+                "claim + complete (store, no payload), runs without its secondary indexes",
+                _timeit(claim_complete_bare, n),
+            )
+        )
     finally:
         task.pop_request()
     return out

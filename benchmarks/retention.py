@@ -106,7 +106,7 @@ def fill(store: LeaseStore, url: str, finished: int, live: int) -> float:
     """Bulk-load the rows; seconds taken."""
     now = store.now_ms()
     started = time.perf_counter()
-    if store.dialect == "postgresql":
+    if store.db.dialect == "postgresql":
         series = "generate_series(1, {n}) AS s(g)"
         # A plain engine: the lease engine's waits are bounded for lease traffic.
         engine = create_engine(url)
@@ -168,7 +168,7 @@ def captured(store: LeaseStore) -> Iterator[list[tuple[str, Any]]]:
 
 def explain(store: LeaseStore, url: str, statement: str, params: Any) -> str:
     """The plan of one captured statement (executed and rolled back on PostgreSQL)."""
-    if store.dialect == "postgresql":
+    if store.db.dialect == "postgresql":
         import psycopg
 
         conninfo = url.replace("postgresql+psycopg://", "postgresql://")
@@ -296,8 +296,8 @@ def run_backend(name: str, url: str, finished: int, live: int, claims: int) -> d
     # Plans of the statements as the store sends them.
     with captured(store) as seen:
         sweep(_app(url, RETENTION_S), store, purge_limit=PURGE_BATCH)
-        store.stats()
-        store.count_finished("succeeded", week_ms)
+        store.reads.stats()
+        store.reads.count_finished("succeeded", week_ms)
     for statement, params in seen:
         if statement.lstrip().upper().startswith(("SELECT", "DELETE", "UPDATE", "WITH")):
             plan = explain(store, url, statement, params)

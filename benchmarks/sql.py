@@ -30,7 +30,7 @@ from sqlalchemy import Engine, event, insert
 
 from celery_lease import LeasedTask, LeaseStore
 from celery_lease.lease.heartbeat import Heartbeat
-from celery_lease.lease.lease import Lease
+from celery_lease.lease.lease import Lease, Standalone
 from celery_lease.runtime import store_for
 from celery_lease.schema import runs
 from tests.helpers import driver_statements
@@ -151,7 +151,7 @@ def held_leases(store: LeaseStore, count: int, filler: int) -> Iterator[Heartbea
         claim = store.claim(run_id, owner, task_name="bench", lease_ms=7_200_000, max_attempts=5)
         heartbeat.register(
             Lease(
-                store,
+                Standalone(store),
                 run_id,
                 owner,
                 claim.attempt,

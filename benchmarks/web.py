@@ -55,7 +55,13 @@ PAGES = {
     "runs, key prefix": "/runs?key=bench.task7:run-12",
     "runs, last hour": "/runs?age=1h",
     "runs, page 1,000 (keyset)": "",
+    "task page": "/task?name=bench.task3",
+    "bulk rerun confirmation (a task's failed runs)": (
+        "/confirm?action=rerun-runs&task=bench.task3&status=failed"
+    ),
 }
+#: The write token the view runs with (the bulk rerun's confirmation needs one).
+TOKEN = "bench-token-0123456789abcdef"
 
 
 def _select(series: str, n: int, now: int) -> str:
@@ -87,7 +93,7 @@ def fill(store: LeaseStore, url: str, rows: int) -> float:
         "UPDATE celery_lease_runs SET finished_at = NULL, lease_expires_at = "
         f"{now} + 600000 WHERE status IN ('queued', 'running', 'retrying')"
     )
-    if store.dialect == "postgresql":
+    if store.db.dialect == "postgresql":
         engine = create_engine(url)
         with engine.begin() as conn:
             series = f"generate_series(1, {rows}) AS s(g)"
@@ -136,7 +142,7 @@ def measure(name: str, url: str, rows: int, requests: int) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name, "fill_s": fill(store, url, rows), "pages": {}}
     app = Celery("bench", set_as_current=False)
     app.conf.update(lease_database_url=url, broker_url="memory://")
-    client = TestClient(create_app(app, store=store))
+    client = TestClient(create_app(app, store=store, token=TOKEN), base_url="http://localhost")
     pages = dict(PAGES)
     pages["runs, page 1,000 (keyset)"] = deep_page(client, 1000)
     plans: list[tuple[str, str, str]] = []

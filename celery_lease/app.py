@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from celery import Celery
 
 from .config import beat_sweep_interval
@@ -26,6 +28,20 @@ def _add_beat_entry(app: Celery) -> None:
     app.conf.beat_schedule = schedule
 
 
+def check_extras(app: Celery) -> None:
+    """Turn on what ``lease_metrics`` and ``lease_tracing`` ask for (each idempotent).
+
+    Raises:
+        ImproperlyConfigured: a setting is not a valid value.
+        ImportError: ``lease_metrics = True`` without ``celery-lease[prometheus]``, or
+            ``lease_tracing = True`` without ``celery-lease[otel]`` (the message names it).
+    """
+    # lease_metrics = True: prometheus-client imported, or ImportError naming the extra
+    enable_from_app(app)
+    # lease_tracing: on when opentelemetry-api is installed (imported only then)
+    trace_from_app(app)
+
+
 def install(app: Celery) -> None:
     """Connect celery-lease to ``app``: the worker bootstep, the beat entry, metrics, tracing.
 
@@ -36,10 +52,11 @@ def install(app: Celery) -> None:
     runtime = app_runtime(app)
     if runtime.installed:
         return
-    # lease_metrics = True; a clear ImportError without the extra
-    enable_from_app(app)
-    # lease_tracing: on when opentelemetry-api is installed (imported only then)
-    trace_from_app(app)
+    # A missing extra is not raised here: install() runs while the tasks' module is
+    # imported, where it would be a long traceback. The worker's start-up check
+    # (check_extras) stops it with one line naming the extra.
+    with contextlib.suppress(ImportError):
+        check_extras(app)
     runtime.mark_installed()
     app.steps["worker"].add(BOOTSTEP)  # it connects the signal receivers
     _add_beat_entry(app)

@@ -58,6 +58,7 @@ SETTING_NAMES = (
     "lease_seconds",
     "lease_heartbeat_interval",
     "lease_max_attempts",
+    "lease_retry_errors",
     "lease_retry_backoff",
     "lease_retry_backoff_max",
     "lease_busy_policy",
@@ -71,6 +72,7 @@ SETTING_NAMES = (
     "lease_rate_limit",
     "lease_rate_key",
     "lease_rate_burst",
+    "lease_trace_fence",
 )
 
 
@@ -80,7 +82,9 @@ APP_SETTING_NAMES = (
     "lease_retention",
     "lease_metrics",
     "lease_tracing",
+    "lease_web_hosts",
     "lease_web_token",
+    "lease_worker_sweeper",
 )
 
 #: The environment variable that gives ``lease web`` its write token when the setting is unset.
@@ -115,6 +119,12 @@ def beat_sweep_interval(conf: Mapping[str, Any]) -> float:
         return 60.0
 
 
+def worker_sweeper(conf: Mapping[str, Any]) -> bool:
+    """``lease_worker_sweeper``, validated: True (the default) when every worker takes part
+    in sweeping its lease databases (one at a time per database, by a leader lease)."""
+    return _boolean(conf, "lease_worker_sweeper", True)
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseConfig:
     """Validated lease settings. Build with :meth:`from_app` or :meth:`from_mapping`."""
@@ -123,6 +133,8 @@ class LeaseConfig:
     lease_seconds: float = 30.0
     heartbeat_interval: float = 10.0
     max_attempts: int = 5
+    #: A raising body is retried by the lease (True), or fails at once as in Celery (False).
+    retry_errors: bool = True
     retry_backoff: float = 2.0
     retry_backoff_max: float = 600.0
     busy_policy: str = "retry"
@@ -139,6 +151,8 @@ class LeaseConfig:
     rate_limit: str | None = None
     rate_key: KeyFunc | None = None
     rate_burst: int = 1
+    #: Share of ``fence()`` calls traced with a ``celery_lease.fence`` span (1.0: all, 0: none).
+    trace_fence: float = 1.0
 
     @property
     def rate_period_ms(self) -> int | None:
@@ -162,17 +176,18 @@ class LeaseConfig:
             if heartbeat is None
             else _positive(conf, "lease_heartbeat_interval", heartbeat)
         )
-        # A renewal moves the local deadline to its send time + lease_seconds - margin,
-        # and the next one is sent a heartbeat later: at or past that, no renewal can
-        # ever be confirmed in time and every attempt is lost.
+        # A renewal moves the local deadline to its send time + lease_seconds - margin;
+        # the next is sent a heartbeat later, and a failed or slow one is tried again
+        # at most a heartbeat after that. Two renewals must fit before the local
+        # deadline, so that one failed tick never costs a lease.
         local_deadline = lease_seconds - safety_margin(lease_seconds)
-        if heartbeat_interval >= local_deadline:
+        if heartbeat_interval * 2 > local_deadline:
             raise ImproperlyConfigured(
-                f"lease_heartbeat_interval ({heartbeat_interval!r}) must be shorter than "
-                f"{local_deadline:.4g}s, the local deadline of a {lease_seconds!r}s lease "
-                f"(lease_seconds minus its {safety_margin(lease_seconds):.3g}s safety margin): "
-                "no renewal could be confirmed in time, every attempt would lose its lease "
-                "(the default is lease_seconds / 3)"
+                f"lease_heartbeat_interval ({heartbeat_interval!r}) must be at most "
+                f"{local_deadline / 2:.4g}s, half the local deadline of a {lease_seconds!r}s "
+                f"lease (lease_seconds minus its {safety_margin(lease_seconds):.3g}s safety "
+                "margin): two renewals must fit before it, so that one failed or slow "
+                "renewal does not lose the lease (the default is lease_seconds / 3)"
             )
         backoff = _positive(conf, "lease_retry_backoff", 2.0, MAX_BACKOFF_SECONDS)
         backoff_max = _positive(conf, "lease_retry_backoff_max", 600.0, MAX_BACKOFF_SECONDS)
@@ -189,6 +204,7 @@ class LeaseConfig:
             lease_seconds=lease_seconds,
             heartbeat_interval=heartbeat_interval,
             max_attempts=_positive_int(conf, "lease_max_attempts", 5, MAX_ATTEMPTS),
+            retry_errors=_boolean(conf, "lease_retry_errors", True),
             retry_backoff=backoff,
             retry_backoff_max=backoff_max,
             busy_policy=_choice(conf, "lease_busy_policy", BUSY_POLICIES),
@@ -203,6 +219,7 @@ class LeaseConfig:
             rate_limit=_rate_limit(conf),
             rate_key=_callable(conf, "lease_rate_key"),
             rate_burst=_positive_int(conf, "lease_rate_burst", 1, MAX_RATE_BURST),
+            trace_fence=_share(conf, "lease_trace_fence"),
         )
 
     @classmethod
@@ -232,6 +249,7 @@ class LeaseConfig:
             "lease_seconds": self.lease_seconds,
             "lease_heartbeat_interval": self.heartbeat_interval,
             "lease_max_attempts": self.max_attempts,
+            "lease_retry_errors": self.retry_errors,
             "lease_retry_backoff": self.retry_backoff,
             "lease_retry_backoff_max": self.retry_backoff_max,
             "lease_busy_policy": self.busy_policy,
@@ -246,6 +264,7 @@ class LeaseConfig:
             "lease_rate_limit": self.rate_limit,
             "lease_rate_key": self.rate_key,
             "lease_rate_burst": self.rate_burst,
+            "lease_trace_fence": self.trace_fence,
         }
 
 
@@ -380,6 +399,25 @@ def _boolean(conf: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def _share(conf: Mapping[str, Any], key: str) -> float:
+    """True (1.0, the default), False (0.0), or a share from 0 to 1."""
+    value = conf.get(key)
+    if value is None or value is True:
+        return 1.0
+    if value is False:
+        return 0.0
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0.0 <= value <= 1.0
+    ):
+        return float(value)
+    raise ImproperlyConfigured(
+        f"{key} must be True, False or a share from 0 to 1 (e.g. 0.01), got {value!r}"
+    )
+
+
 def _name(conf: Mapping[str, Any], key: str) -> str | None:
     value = conf.get(key)
     if value is None:
@@ -445,12 +483,48 @@ def web_token(conf: Mapping[str, Any], environ: Mapping[str, str] = os.environ) 
     return value
 
 
+#: The Host names the web view answers by default: the loopback ones.
+DEFAULT_WEB_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def web_hosts(conf: Mapping[str, Any]) -> tuple[str, ...]:
+    """The Host header values the web view answers: the loopback names
+    (:data:`DEFAULT_WEB_HOSTS`; no other site can make a browser send them) and
+    ``lease_web_hosts``: lowercase names or addresses, without a port (an IPv6
+    address in brackets), ``*`` for any.
+
+    Raises:
+        ImproperlyConfigured: not a list of non-empty strings (or one comma-separated string).
+    """
+    value = conf.get("lease_web_hosts")
+    if value is None:
+        return DEFAULT_WEB_HOSTS
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ImproperlyConfigured(
+            "lease_web_hosts must be a list of host names (e.g. ['leases.example.com']), "
+            f"got {value!r}"
+        )
+    hosts = tuple(h.strip().lower() for h in value if h.strip())
+    if not hosts:
+        raise ImproperlyConfigured("lease_web_hosts is empty: name at least one host, or '*'")
+    for host in hosts:
+        if any(c in host for c in " /@?#\\") or host.count(":") == 1:
+            raise ImproperlyConfigured(
+                f"lease_web_hosts: {host!r} is not a host name (no port, scheme or path; "
+                "an IPv6 address in brackets)"
+            )
+    return (*DEFAULT_WEB_HOSTS, *(h for h in hosts if h not in DEFAULT_WEB_HOSTS))
+
+
 def check_app_settings(app: Celery) -> None:
     """Start-up checks beyond single values: unknown ``lease_*`` keys, and coordination.
 
     Raises:
         ImproperlyConfigured: a ``lease_*`` key celery-lease does not know (with
-            the close match, as the key was spelled, namespace included), or the
+            the close match, as the key was spelled, namespace included), a
+            ``lease_worker_sweeper`` that is not a boolean, or the
             default per-host SQLite file behind a broker that spans hosts.
     """
     unknown: list[tuple[str, str]] = []
@@ -466,6 +540,7 @@ def check_app_settings(app: Celery) -> None:
         unknown.append((spelled, hint))
     if unknown:
         raise ImproperlyConfigured(_unknown_message("unknown setting", unknown))
+    worker_sweeper(app.conf)
     if app.conf.get("lease_database_url") is None:
         schemes = network_broker_schemes(app)
         if schemes:

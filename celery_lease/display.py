@@ -23,6 +23,20 @@ def progress_text(done: float | None, total: float | None, note: str | None = No
     return text
 
 
+def run_progress_text(
+    status: str, finished: bool, done: float | None, total: float | None, note: str | None = None
+) -> str:
+    """What a run shows for its progress: while it is live, its last reported progress
+    (:func:`progress_text`); once ``finished``, its outcome, never a mid-way count: a
+    succeeded run shows ``succeeded``, a run that ended otherwise where its body stopped
+    (``failed at 37/50 (74%)``: the checkpoint a rerun resumes from is near there)."""
+    if not finished:
+        return progress_text(done, total, note)
+    if done is None or status == "succeeded":
+        return status
+    return f"{status} at {progress_text(done, total)}"
+
+
 def format_duration(ms: int) -> str:
     """A short human duration: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, ``3d04h``."""
     ms = abs(ms)
@@ -47,3 +61,20 @@ def format_relative(ms: int | None, now: int) -> str:
         return "-"
     delta = ms - now
     return f"in {format_duration(delta)}" if delta > 0 else f"{format_duration(delta)} ago"
+
+
+def leader_text(
+    owner: str | None, term: int, acquired_at: int, renewed_at: int, expires_at: int, now: int
+) -> str:
+    """Who holds a leader lease (the sweeper of a database, a beat) and since when, or that
+    nobody does; ``owner`` is shown as ``host:pid`` (a worker's: ``node@host:pid``)."""
+    if owner is None:
+        return "nobody has led yet"
+    who = ":".join(owner.split(":")[:2])
+    if expires_at <= now:
+        ago = format_duration(now - expires_at)
+        return f"nobody: the lease of {who} (term {term}) expired {ago} ago"
+    return (
+        f"{who} since {format_relative(acquired_at, now)} (term {term}), "
+        f"renewed {format_relative(renewed_at, now)}"
+    )

@@ -214,7 +214,8 @@ class RunNotRerunnable(LeaseError):
 
 class ActionFailed(LeaseError):
     """An operator's action on a run (``lease cancel``, ``rerun``, the web view's buttons)
-    was refused or could not be carried out; ``str()`` is the one line to show them."""
+    was refused or could not be carried out; ``str()`` is the one line to show them.
+    ``run_id`` is ``""`` for an action on a task or on many runs."""
 
     code = "action_failed"
 
@@ -225,3 +226,19 @@ class ActionFailed(LeaseError):
 
     def __reduce__(self) -> tuple[type[ActionFailed], tuple[str, str]]:
         return (type(self), (self.run_id, self.message))
+
+
+class LeadershipLost(LeaseError):
+    """A leader's fenced write was refused: its leader lease (``name``) is no longer held by
+    ``owner`` in ``term`` (it expired, or a standby took over). Nothing was written."""
+
+    code = "lease_leadership_lost"
+
+    def __init__(self, name: str, owner: str, term: int) -> None:
+        self.name = name
+        self.owner = owner
+        self.term = term
+        super().__init__(f"{self.code}: {name} is no longer held by {owner} (term {term})")
+
+    def __reduce__(self) -> tuple[type[LeadershipLost], tuple[str, str, int]]:
+        return (type(self), (self.name, self.owner, self.term))

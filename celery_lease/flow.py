@@ -16,9 +16,10 @@ from typing import Any
 
 from celery import Celery
 
-from .errors import LeaseError
+from .errors import LeaseError, LeaseUsageError
+from .events import Event
 from .requeue import MessageNotAccepted, decode_message
-from .runtime import app_runtime, lease_databases, runtime_for, store_for
+from .runtime import app_runtime, lease_databases, runtime_for, store_for, task_configs
 from .sanitize import describe_exception
 from .schema import HELD_RATE
 from .store import HeldRecord, LeaseStore
@@ -32,17 +33,29 @@ logger = logging.getLogger(__name__)
 HORIZON_MS = 3000
 #: The longest a pump sleeps between two looks at the held deliveries.
 PUMP_TICK = 1.0
-#: Message header of a delivery that already holds its rate slot (the slot's due
-#: time, epoch ms, database clock): its claim takes no new slot.
+#: Message header of a deferred delivery: the ``seq`` of the rate slot recorded for it
+#: (:meth:`~celery_lease.store.flowstore.FlowStore.record_slot`). Its claim takes that
+#: slot once, for its own task id; a copy of the message (a retry, a busy or claim-error
+#: re-publish) or a forged header finds none and takes a slot of its own.
 SLOT_HEADER = "celery_lease_rate_slot"
 
 
-def has_slot(request: Any) -> bool:
-    """True when the delivery ``request`` carries the rate slot it was deferred for."""
+#: How long a recorded rate slot waits for its delivery after it came due (a message
+#: held up in a broker longer takes a new slot): the sweep deletes it then.
+SLOT_KEPT_MS = 3_600_000
+
+
+def slot_of(request: Any) -> int | None:
+    """The recorded rate slot the delivery ``request`` names, or None."""
     value: Any = (getattr(request, "headers", None) or {}).get(SLOT_HEADER)
     if value is None:
         value = getattr(request, SLOT_HEADER, None)
-    return value is not None
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def without_slot(headers: Any) -> dict[str, Any]:
@@ -75,11 +88,31 @@ def pause(
     finish, unless ``cancel_running`` (they are cancelled as by ``lease cancel``).
     True when this call paused it (False: it was paused already; ``reason`` is updated).
     """
+    return pause_counted(app, task_name, key, reason, cancel_running=cancel_running, store=store)[0]
+
+
+def pause_counted(
+    app: Celery,
+    task_name: str,
+    key: str | None = None,
+    reason: str | None = None,
+    *,
+    cancel_running: bool = False,
+    store: LeaseStore | None = None,
+) -> tuple[bool, int]:
+    """:func:`pause`, and how many running runs it asked to stop (``cancel_running``).
+
+    Raises:
+        LeaseUsageError: ``key`` given for a task of this app that has no
+            ``lease_concurrency_key`` (such a pause would hold nothing).
+    """
+    if key is not None:
+        check_pause_key(app, task_name, key)
     store = store or store_of(app, task_name)
-    paused = store.pause(task_name, key, reason)
-    asked = store.request_cancel_running(task_name, key) if cancel_running else 0
+    paused = store.flow.pause(task_name, key, reason)
+    asked = store.flow.request_cancel_running(task_name, key) if cancel_running else 0
     app_runtime(app).events.emit(
-        "flow_paused",
+        Event.FLOW_PAUSED,
         None,
         "celery-lease: paused %s%s%s",
         task_name,
@@ -88,7 +121,20 @@ def pause(
         task=task_name,
         key=key,
     )
-    return paused
+    return paused, asked
+
+
+def check_pause_key(app: Celery, task_name: str, key: str) -> None:
+    """:class:`LeaseUsageError` when ``task_name`` is a task of ``app`` without a
+    ``lease_concurrency_key``: its runs have no key, so a pause of ``key`` holds nothing.
+    A task this app does not know is not judged (another app's may have keys)."""
+    task = app.tasks.get(task_name)
+    settings = getattr(task, "lease_config", None)
+    if callable(settings) and settings().concurrency_key is None:
+        raise LeaseUsageError(
+            f"{task_name} has no lease_concurrency_key, so no run of it has key {key!r}: "
+            "a pause of that key would hold nothing. Pause the whole task (without a key)."
+        )
 
 
 def resume(
@@ -101,10 +147,10 @@ def resume(
     A resume that dies halfway loses nothing: the sweeper publishes the rest.
     """
     store = store or store_of(app, task_name)
-    store.resume(task_name, key)
+    store.flow.resume(task_name, key)
     sent = len(release(app, store, task_name=task_name, key=key))
     app_runtime(app).events.emit(
-        "flow_resumed",
+        Event.FLOW_RESUMED,
         None,
         "celery-lease: resumed %s%s, %d held deliveries published",
         task_name,
@@ -125,12 +171,14 @@ def release(
     key: str | None = None,
     limit: int = 500,
 ) -> list[str]:
-    """Publish the held deliveries that may go now (see :meth:`LeaseStore.take_held`), in
+    """Publish the held deliveries that may go now (see :meth:`FlowStore.take_held`), in
     batches of ``limit``; the run ids published, in order. A delivery that cannot be published
     stays held (its take goes stale and a later release retries it)."""
     sent: list[str] = []
     while True:
-        rows = store.take_held(horizon_ms=HORIZON_MS, task_name=task_name, key=key, limit=limit)
+        rows = store.flow.take_held(
+            horizon_ms=HORIZON_MS, task_name=task_name, key=key, limit=limit
+        )
         for row in rows:
             try:
                 publish_held(app, row)
@@ -140,7 +188,7 @@ def release(
                     row.task_id,
                     row.run_id,
                     exc,
-                    extra={"lease_event": "sweep_error", "run_id": row.run_id},
+                    extra={"lease_event": Event.SWEEP_ERROR, "run_id": row.run_id},
                 )
             except Exception as exc:
                 logger.warning(
@@ -148,12 +196,12 @@ def release(
                     row.task_id,
                     row.run_id,
                     describe_exception(exc),
-                    extra={"lease_event": "sweep_error", "run_id": row.run_id},
+                    extra={"lease_event": Event.SWEEP_ERROR, "run_id": row.run_id},
                 )
                 continue
             else:
                 sent.append(row.run_id)
-            store.drop_held(row.seq)
+            store.flow.drop_held(row.seq)
         if len(rows) < limit:
             return sent
 
@@ -182,7 +230,7 @@ class FlowPump:
 
     One daemon thread per process and database, started by :meth:`wake` when this
     process holds a delivery, and ending once none is held there (any process's). A
-    tick is one read (:meth:`LeaseStore.take_held`) plus the publishes; a failing tick
+    tick is one read (:meth:`FlowStore.take_held`) plus the publishes; a failing tick
     is logged and the loop goes on. :meth:`tick` is one tick, for tests.
     """
 
@@ -215,25 +263,33 @@ class FlowPump:
     def tick(self) -> float | None:
         """Publish what is due; seconds until the next look, or None when nothing is held."""
         release(self.app, self.store)
-        left = self.store.next_held_due()
+        left = self.store.flow.next_held_due()
         if left is None:
             return None
         return min(PUMP_TICK, max(0.05, (left - HORIZON_MS / 2) / 1000.0))
 
     def _loop(self) -> None:
         delay = 0.0
+        # An outage is logged when it starts and when it ends, not on every tick.
+        failing = False
         while not self._stop.wait(delay):
             with self._lock:
                 self._woken = False
             try:
                 found = self.tick()
             except LeaseError as exc:
-                logger.warning(
-                    "celery-lease: flow pump: %s",
-                    describe_exception(exc),
-                    extra={"lease_event": "sweep_error"},
-                )
-                if not getattr(exc, "transient", False):
+                transient = bool(getattr(exc, "transient", False))
+                if not failing or not transient:
+                    logger.warning(
+                        "celery-lease: flow pump: %s%s",
+                        describe_exception(exc),
+                        f"; retrying every {PUMP_TICK:g}s, quietly until it answers"
+                        if transient
+                        else "",
+                        extra={"lease_event": Event.SWEEP_ERROR},
+                    )
+                failing = True
+                if not transient:
                     # A missing table (run `lease migrate`) does not heal by itself:
                     # stop; the next held delivery or the sweeper tries again.
                     with self._lock:
@@ -243,6 +299,13 @@ class FlowPump:
             except Exception:
                 logger.exception("celery-lease: flow pump tick failed")
                 found = PUMP_TICK
+            else:
+                if failing:
+                    failing = False
+                    logger.warning(
+                        "celery-lease: flow pump: the lease database answers again",
+                        extra={"lease_event": Event.SWEEP_ERROR},
+                    )
             with self._lock:
                 if found is None and not self._woken:
                     self._thread = None
@@ -258,9 +321,12 @@ def pump_for(app: Celery, url: str, store: LeaseStore) -> FlowPump:
 
 
 def wake_pumps(app: Celery) -> None:
-    """Look once at every lease database of ``app`` for held rate-limited deliveries and
-    keep publishing them as they come due (a worker starting after the ones that held
-    them stopped); each pump ends once nothing is held."""
+    """Look once at each lease database of ``app``'s rate-limited tasks for held
+    deliveries and keep publishing them as they come due (a worker starting after the
+    ones that held them stopped); each pump ends once nothing is held. A database no
+    rate-limited task uses gets no pump (the sweeper is the backstop there)."""
+    limited = {c.database_url for c in task_configs(app) if c.rate_period_ms is not None}
     for config in lease_databases(app):
-        store = runtime_for(app, config).store
-        pump_for(app, config.database_url, store).wake()
+        if config.database_url in limited:
+            store = runtime_for(app, config).store
+            pump_for(app, config.database_url, store).wake()

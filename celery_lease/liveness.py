@@ -1,8 +1,10 @@
 """Sweeper liveness, seen from a worker: :class:`SweepWatch`.
 
 On a broker that never redelivers (``filesystem://``, ``memory://``,
-``sqla+...``) nothing but the sweeper recovers a run whose worker died. A worker
-there that sees no sweep recorded (``celery_lease_sweeps``) within twice
+``sqla+...``) nothing but the sweeper recovers a run whose worker died. Every
+worker takes part in sweeping (:mod:`celery_lease.worker_sweeper`) unless
+``lease_worker_sweeper = False``; only then does it watch. A worker there that
+sees no sweep recorded (``celery_lease_sweeps``) within twice
 ``lease_sweep_interval`` logs one WARNING saying how to run beat. The check is
 one read per lease database every ``lease_sweep_interval`` seconds, in one
 daemon thread of the worker's main process; never a statement per task. Every
@@ -20,6 +22,7 @@ from typing import Any
 from celery import Celery
 
 from .config import celery_command
+from .events import Event
 from .runtime import app_config, app_runtime, lease_databases, runtime_for
 from .sanitize import describe_exception, safe_url
 
@@ -68,7 +71,7 @@ class SweepWatch:
         for config in lease_databases(self.app):
             shown = safe_url(config.database_url)
             try:
-                last = runtime_for(self.app, config).store.last_sweep()
+                last = runtime_for(self.app, config).store.reads.last_sweep()
             except Exception as exc:  # a hook never takes the worker down
                 logger.debug("celery-lease: sweep watch: %s: %s", shown, describe_exception(exc))
                 continue
@@ -77,7 +80,7 @@ class SweepWatch:
             age_ms = max(0, int(last["now"]) - int(last["swept_at"]))
             recent = recent or age_ms <= window_ms
             events.emit(
-                "sweep_seen",
+                Event.SWEEP_SEEN,
                 None,
                 "celery-lease: last sweep of %s %.1f s ago",
                 shown,
@@ -93,11 +96,11 @@ class SweepWatch:
             logger.warning(
                 "celery-lease: no sweep seen in %.0f s (2 x lease_sweep_interval) and this "
                 "broker never redelivers: a run whose worker dies is not recovered until a "
-                "sweep runs. Run beat: `%s beat` (or one worker with -B: `%s worker -B`)",
+                "sweep runs. Turn the workers' own sweeper back on (lease_worker_sweeper = "
+                "True, the default), or run beat: `%s beat`",
                 2 * self.interval,
                 command,
-                command,
-                extra={"lease_event": "no_sweeper", "run_id": None},
+                extra={"lease_event": Event.NO_SWEEPER, "run_id": None},
             )
         return recent
 

@@ -36,6 +36,10 @@ Exported (names as Prometheus shows them):
   each lease database (password masked) ran, as a Unix time: seen by the process
   that swept, and by every worker's main process once per ``lease_sweep_interval``.
   Alert on ``time() - celery_lease_last_sweep_timestamp_seconds`` (the sweeper is down).
+- ``celery_lease_leader{role,database}``: 1 while this process holds the leader lease
+  ``role`` of a lease database (``sweeper``: the worker that sweeps it; ``beat:<app>``:
+  the ``LeaseScheduler`` that sends), else 0. Summed over a fleet it is 1 per role and
+  database; 0 everywhere means no process leads.
 
 Counts live in the process that emitted the event. With the prefork pool those
 are the pool children: run the worker with ``PROMETHEUS_MULTIPROC_DIR`` set and
@@ -48,12 +52,13 @@ across processes, exited ones included; the last-sweep gauge takes the maximum.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
-from .events import EventBus, LeaseState, Transition
+from .events import Event, EventBus, LeaseState, Transition
 from .runtime import app_runtime
 
 SETTING = "lease_metrics"
@@ -141,6 +146,13 @@ class LeaseMetrics:
             ["fenced"],
             **kw,
         )
+        self.followups = prom.Counter(
+            "celery_lease_followups",
+            "Follow-up tasks of fenced transactions, by outcome: sent (after the commit), "
+            "swept (sent by the sweeper), error (retried), dropped (can never be sent).",
+            ["outcome"],
+            **kw,
+        )
         self.progress_writes = prom.Counter(
             "celery_lease_progress_writes", "Progress reports a heartbeat renewal wrote.", **kw
         )
@@ -176,6 +188,13 @@ class LeaseMetrics:
             multiprocess_mode="max",
             **kw,
         )
+        self.leader = prom.Gauge(
+            "celery_lease_leader",
+            "1 while this process holds the leader lease role of a lease database.",
+            ["role", "database"],
+            multiprocess_mode="livemax",
+            **kw,
+        )
         for outcome in ("retrying", "failed"):
             self.failures.labels(outcome=outcome)
         for action in _SWEEP_ACTIONS:
@@ -184,39 +203,84 @@ class LeaseMetrics:
             self.db_errors.labels(stage=stage)
         for fenced in ("true", "false"):
             self.checkpoints.labels(fenced=fenced)
+        for outcome in ("sent", "swept", "error", "dropped"):
+            self.followups.labels(outcome=outcome)
+        #: What each counted event does; every other event is not counted.
+        self._counting: dict[Event, Callable[[Event, dict[str, Any]], None]] = {
+            Event.CLAIMED: lambda event, fields: self.claims.inc(),
+            Event.BUSY: lambda event, fields: self.busy.inc(),
+            Event.RETRYING: self._failure,
+            Event.FAILED: self._failure,
+            Event.SWEPT: self._swept,
+            Event.PAUSED: self._held,
+            Event.DEFERRED: self._held,
+            Event.DUPLICATE_DROPPED: lambda event, fields: self.duplicates.inc(),
+            Event.CLAIM_ERROR: self._db_error,
+            Event.CLAIM_FAILED: self._db_error,
+            Event.FAIL_ERROR: self._db_error,
+            Event.SWEEP_DONE: self._sweep_time,
+            Event.SWEEP_SEEN: self._sweep_time,
+            Event.CHECKPOINT: self._checkpoint,
+            Event.PROGRESS: self._progress,
+            Event.HEARTBEAT: self._heartbeat,
+            Event.LEADER_TAKEN: self._leader,
+            Event.LEADER_LOST: self._leader,
+            Event.LEADER_RESIGNED: self._leader,
+            Event.FOLLOWUP_SENT: self._followup,
+            Event.FOLLOWUP_ERROR: self._followup,
+            Event.FOLLOWUP_DROPPED: self._followup,
+        }
 
-    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+    def __call__(self, event: Event, fields: dict[str, Any]) -> None:
         """The :meth:`~celery_lease.events.EventBus.add_listener` hook."""
-        if event == "claimed":
-            self.claims.inc()
-        elif event == "busy":
-            self.busy.inc()
-        elif event in ("retrying", "failed"):
-            self.failures.labels(outcome=event).inc()
-        elif event == "swept":
-            self.sweep_recovered.labels(action=str(fields.get("action") or "unknown")).inc()
-        elif event in ("paused", "deferred"):
-            counter = self.paused if event == "paused" else self.deferred
-            counter.labels(task=str(fields.get("task")), key=str(fields.get("key") or "")).inc()
-        elif event == "duplicate_dropped":
-            self.duplicates.inc()
-        elif event in ("claim_error", "claim_failed", "fail_error"):
-            self.db_errors.labels(stage=event.partition("_")[0]).inc()
-        elif event in ("sweep_done", "sweep_seen"):
-            swept_at, database = fields.get("swept_at"), fields.get("database")
-            if isinstance(swept_at, (int, float)) and isinstance(database, str):
-                self.last_sweep.labels(database=database).set(float(swept_at))
-        elif event == "checkpoint":
-            self.checkpoints.labels(fenced="true" if fields.get("fenced") else "false").inc()
-        elif event == "progress":
-            self.progress_writes.inc()
-            done, total = fields.get("done"), fields.get("total")
-            if isinstance(done, float) and isinstance(total, float) and total > 0:
-                self.progress_ratio.labels(task=str(fields.get("task") or "")).set(done / total)
-        elif event == "heartbeat":
-            seconds = fields.get("seconds")
-            if isinstance(seconds, (int, float)):
-                self.heartbeat.observe(float(seconds))
+        count = self._counting.get(event)
+        if count is not None:
+            count(event, fields)
+
+    def _failure(self, event: Event, fields: dict[str, Any]) -> None:
+        self.failures.labels(outcome=event.value).inc()
+
+    def _swept(self, event: Event, fields: dict[str, Any]) -> None:
+        self.sweep_recovered.labels(action=str(fields.get("action") or "unknown")).inc()
+
+    def _held(self, event: Event, fields: dict[str, Any]) -> None:
+        counter = self.paused if event is Event.PAUSED else self.deferred
+        counter.labels(task=str(fields.get("task")), key=str(fields.get("key") or "")).inc()
+
+    def _db_error(self, event: Event, fields: dict[str, Any]) -> None:
+        self.db_errors.labels(stage=event.value.partition("_")[0]).inc()
+
+    def _sweep_time(self, event: Event, fields: dict[str, Any]) -> None:
+        swept_at, database = fields.get("swept_at"), fields.get("database")
+        if isinstance(swept_at, (int, float)) and isinstance(database, str):
+            self.last_sweep.labels(database=database).set(float(swept_at))
+
+    def _leader(self, event: Event, fields: dict[str, Any]) -> None:
+        role, database = fields.get("role"), fields.get("database")
+        if isinstance(role, str) and isinstance(database, str):
+            held = 1.0 if event is Event.LEADER_TAKEN else 0.0
+            self.leader.labels(role=role, database=database).set(held)
+
+    def _checkpoint(self, event: Event, fields: dict[str, Any]) -> None:
+        self.checkpoints.labels(fenced="true" if fields.get("fenced") else "false").inc()
+
+    def _followup(self, event: Event, fields: dict[str, Any]) -> None:
+        if event is Event.FOLLOWUP_SENT:
+            outcome = "swept" if fields.get("swept") else "sent"
+        else:
+            outcome = event.value.rpartition("_")[2]
+        self.followups.labels(outcome=outcome).inc()
+
+    def _progress(self, event: Event, fields: dict[str, Any]) -> None:
+        self.progress_writes.inc()
+        done, total = fields.get("done"), fields.get("total")
+        if isinstance(done, float) and isinstance(total, float) and total > 0:
+            self.progress_ratio.labels(task=str(fields.get("task") or "")).set(done / total)
+
+    def _heartbeat(self, event: Event, fields: dict[str, Any]) -> None:
+        seconds = fields.get("seconds")
+        if isinstance(seconds, (int, float)):
+            self.heartbeat.observe(float(seconds))
 
     def on_transition(self, transition: Transition) -> None:
         """The :meth:`~celery_lease.events.EventBus.add_transition_listener` hook."""

@@ -11,6 +11,7 @@ from celery import Celery
 from kombu.serialization import loads, prepare_accept_content
 
 from .errors import LeaseError
+from .events import Event
 from .runtime import app_runtime
 from .sanitize import describe_exception
 from .schema import CANCELLED
@@ -31,6 +32,8 @@ class SweepReport:
     purged: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Deliveries held by flow control that the sweep published.
     released: list[str] = dataclasses.field(default_factory=list)
+    #: Follow-up tasks (task ids) the sweep published: their sender died after its commit.
+    followups: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain data (the sweep task's result)."""
@@ -77,10 +80,42 @@ RERUN_OF_HEADER = "celery_lease_rerun_of"
 
 def header_run_id(request: Any) -> str | None:
     """The run id a delivery's :data:`RUN_ID_HEADER` names (a rerun), else None."""
-    value: Any = (getattr(request, "headers", None) or {}).get(RUN_ID_HEADER)
-    if value is None:
-        value = getattr(request, RUN_ID_HEADER, None)
+    value = header_value(request, RUN_ID_HEADER)
     return str(value) if value else None
+
+
+#: Message header of a delivery celery-lease publishes again. ``"copy"``: a copy of a
+#: delivery that already claimed its run (the sweeper's, a hand-back, a retry after a
+#: loss or a failure, a follow-up's publish); a later delivery of the finished run
+#: under its own task id is then a duplicate, dropped. ``"caller"``: a delivery sent
+#: again before it claimed (busy, a claim error, a rate slot), still the caller's.
+COPY_HEADER = "celery_lease_copy"
+COPY = "copy"
+CALLER = "caller"
+
+
+def header_value(request: Any, name: str) -> Any:
+    """The custom header ``name`` of a delivery: in its headers or, as Celery's
+    protocol 2 also hands custom headers over, an attribute of the request."""
+    value: Any = (getattr(request, "headers", None) or {}).get(name)
+    if value is None:
+        value = getattr(request, name, None)
+    return value
+
+
+def callers_publish(request: Any) -> bool:
+    """True when the delivery ``request`` is a caller's publish (``apply_async``, a canvas
+    applied, again with a task id already used), not a broker redelivery (``redelivered``)
+    nor a copy celery-lease made of a delivery that already claimed its run."""
+    info = getattr(request, "delivery_info", None) or {}
+    if info.get("redelivered") or header_value(request, "redelivered"):
+        return False
+    return bool(header_value(request, COPY_HEADER) != COPY)
+
+
+def copy_headers(headers: Any, kind: str) -> dict[str, Any]:
+    """``headers`` marked as a copy of ``kind`` (:data:`COPY` or :data:`CALLER`)."""
+    return {**dict(headers or {}), COPY_HEADER: kind}
 
 
 def rerun_headers(run_id: str, previous_task_id: str | None, headers: Any) -> dict[str, Any]:
@@ -112,6 +147,8 @@ def requeue(app: Celery, record: RunRecord, *, rerun_of: str | None = None) -> N
     }
     args = list(body.get("args") or ())
     kwargs = dict(body.get("kwargs") or {})
+    # The run's own delivery claimed it: whatever this sends again is a copy of it.
+    options["headers"] = copy_headers(options.get("headers"), COPY)
     if rerun_of:
         options["headers"] = rerun_headers(record.id, rerun_of, options.get("headers"))
     options.setdefault("task_id", record.task_id or record.id)
@@ -179,14 +216,18 @@ def requeue_all(
                 ):
                     report.cancelled.append(record.id)
                     events.emit(
-                        "swept", record.id, "run %s: message expired", record.id, action="expired"
+                        Event.SWEPT,
+                        record.id,
+                        "run %s: message expired",
+                        record.id,
+                        action="expired",
                     )
                 continue
             requeue(app, record)
         except MessageNotAccepted as exc:
             report.failed.append(record.id)
             events.emit(
-                "sweep_error",
+                Event.SWEEP_ERROR,
                 record.id,
                 "run %s: %s",
                 record.id,
@@ -204,7 +245,7 @@ def requeue_all(
         except Exception as exc:
             report.errors.append(record.id)
             events.emit(
-                "sweep_error",
+                Event.SWEEP_ERROR,
                 record.id,
                 "run %s: could not re-enqueue: %s",
                 record.id,
@@ -214,5 +255,5 @@ def requeue_all(
             continue
         report.requeued.append(record.id)
         events.emit(
-            "swept", record.id, "run %s: re-enqueued (%s)", record.id, action, action=action
+            Event.SWEPT, record.id, "run %s: re-enqueued (%s)", record.id, action, action=action
         )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from .errors import LeaseError
-from .events import LOG_ONLY, EventLog
+from .events import LOG_ONLY, Event, EventLog
 from .sanitize import describe_exception
 from .schema import CANCELLED, FAILED, SUCCEEDED
 from .store import PURGE_BATCH, LeaseStore
@@ -32,6 +32,9 @@ SWEEP_PURGE_LIMIT = 10 * PURGE_BATCH
 #: Seconds of deleting one sweep may spend: no batch starts that would end past
 #: it (judged by the batch before), so a sweep facing a backlog stays short.
 SWEEP_PURGE_BUDGET = 0.025
+
+#: Rate buckets one delete statement removes at most (each named by its key pair).
+RATE_PURGE_BATCH = 200
 
 
 @dataclasses.dataclass
@@ -111,7 +114,7 @@ def count(store: LeaseStore, older_than: float, statuses: Iterable[str] = FINISH
     chosen = set(statuses)
     for status in FINISHED:
         if status in chosen:
-            report.removed[status] = store.count_finished(status, round(older_than * 1000))
+            report.removed[status] = store.reads.count_finished(status, round(older_than * 1000))
     return report
 
 
@@ -136,7 +139,7 @@ def sweep_retention(
         report = purge(store, retention, limit=limit, budget=budget)
     except LeaseError as exc:
         events.emit(
-            "purge_error",
+            Event.PURGE_ERROR,
             None,
             "celery-lease: retention purge failed, retried next sweep: %s",
             describe_exception(exc),
@@ -145,7 +148,7 @@ def sweep_retention(
         return report
     if report.total:
         events.emit(
-            "purged",
+            Event.PURGED,
             None,
             "celery-lease: deleted %d finished runs older than %.0fs (%s)",
             report.total,
@@ -154,3 +157,96 @@ def sweep_retention(
             count=report.total,
         )
     return report
+
+
+def expire_results(
+    store: LeaseStore,
+    expires_ms: int | None,
+    limit: int | None = SWEEP_PURGE_LIMIT,
+    events: EventLog = LOG_ONLY,
+    *,
+    dry_run: bool = False,
+) -> int:
+    """The sweeper's and ``lease purge``'s step for Celery's ``result_expires``: drop the
+    result kept for a replay in at most ``limit`` (None: every) succeeded rows that
+    finished ``expires_ms`` ago or more. With ``dry_run`` only counts them.
+
+    ``None`` (results never expire) keeps them until ``lease_retention``. A
+    database error is logged (``purge_error``) and left for the next sweep.
+    Returns how many results were dropped.
+    """
+    if expires_ms is None:
+        return 0
+    if dry_run:
+        return store.count_expired_results(store.now_ms() - expires_ms)
+    try:
+        cleared = 0
+        before = store.now_ms() - expires_ms
+        while limit is None or cleared < limit:
+            size = PURGE_BATCH if limit is None else min(PURGE_BATCH, limit - cleared)
+            done = store.clear_results(before, size)
+            cleared += done
+            if done < size:
+                break
+    except LeaseError as exc:
+        events.emit(
+            Event.PURGE_ERROR,
+            None,
+            "celery-lease: expired results not cleared, retried next sweep: %s",
+            describe_exception(exc),
+            level=logging.WARNING,
+        )
+        return 0
+    if cleared:
+        events.emit(
+            Event.RESULTS_EXPIRED,
+            None,
+            "celery-lease: dropped %d kept results older than result_expires (%.0fs)",
+            cleared,
+            expires_ms / 1000,
+            count=cleared,
+        )
+    return cleared
+
+
+def purge_rates(
+    store: LeaseStore,
+    limit: int | None = SWEEP_PURGE_LIMIT,
+    events: EventLog = LOG_ONLY,
+    *,
+    dry_run: bool = False,
+) -> int:
+    """Delete the rate buckets of idle rate keys: rows whose last slot has passed (they
+    carry nothing a fresh bucket would not), at most ``limit`` (None: every one), in
+    batches. Emitted as ``rates_purged``; a database error is logged (``purge_error``)
+    and left for the next sweep. With ``dry_run`` only counts them. Returns how many.
+    """
+    if dry_run:
+        return store.flow.count_idle_rates()
+    removed = 0
+    try:
+        while limit is None or removed < limit:
+            size = RATE_PURGE_BATCH
+            if limit is not None:
+                size = min(size, limit - removed)
+            done = store.flow.purge_idle_rates(size)
+            removed += done
+            if done < size:
+                break
+    except LeaseError as exc:
+        events.emit(
+            Event.PURGE_ERROR,
+            None,
+            "celery-lease: idle rate keys not deleted, retried next sweep: %s",
+            describe_exception(exc),
+            level=logging.WARNING,
+        )
+    if removed:
+        events.emit(
+            Event.RATES_PURGED,
+            None,
+            "celery-lease: deleted %d idle rate keys",
+            removed,
+            count=removed,
+        )
+    return removed

@@ -13,13 +13,13 @@ heartbeat only when it first uses one (:func:`runtime_for`).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import mmap
 import os
 import threading
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
@@ -27,14 +27,19 @@ from kombu.serialization import prepare_accept_content
 
 from .config import LeaseConfig
 from .events import EventBus
+from .hooks import Hooks, RunHook
 from .lease.heartbeat import Heartbeat
-from .store import ClaimResult, LeaseStore
+from .store import LeaseStore
+
+F = TypeVar("F", bound=RunHook[Any])
 
 _runtime_lock = threading.Lock()
 
 
+@runtime_checkable
 class Subscriber(Protocol):
-    """What counts an app's events (:class:`celery_lease.metrics.LeaseMetrics`)."""
+    """What listens on an app's events (:class:`celery_lease.metrics.LeaseMetrics`,
+    :class:`celery_lease.tracing.LeaseTracing`)."""
 
     def subscribe(self, events: EventBus) -> None:
         """Start listening on ``events``."""
@@ -42,41 +47,6 @@ class Subscriber(Protocol):
 
     def unsubscribe(self, events: EventBus) -> None:
         """Stop listening on ``events``."""
-        ...
-
-
-class Traced(Protocol):
-    """One delivery's spans (:class:`celery_lease.tracing.AttemptTrace`)."""
-
-    #: The claim span's W3C ``traceparent``, stored with the run by the claim.
-    traceparent: str
-
-    def claimed(self, claim: ClaimResult) -> None:
-        """End the claim span with the claim's outcome."""
-        ...
-
-    def claim_failed(self, error: BaseException) -> None:
-        """End the claim span: the claim raised ``error``."""
-        ...
-
-    def span(self, name: str, outcome: str) -> AbstractContextManager[None]:
-        """A ``celery_lease.<name>`` span around a block of the lease's."""
-        ...
-
-    def ended(self, outcome: str) -> None:
-        """End the claim span with ``outcome``: the delivery stopped before its claim."""
-        ...
-
-    def end(self) -> None:
-        """The delivery is over."""
-        ...
-
-
-class Tracing(Subscriber, Protocol):
-    """What traces an app's runs (:class:`celery_lease.tracing.LeaseTracing`)."""
-
-    def begin(self, task_name: str, run_id: str, owner: str) -> Traced | None:
-        """Start a delivery's claim span; None when nothing records."""
         ...
 
 
@@ -100,8 +70,8 @@ class AppRuntime:
         self.config: LeaseConfig | None = None
         #: Each task's settings (the app's with its options applied), by task name.
         self.task_configs: dict[str, tuple[object, LeaseConfig]] = {}
-        #: The app's ``result_serializer`` and ``accept_content`` (prepared), once read.
-        self.result_format: tuple[str, frozenset[str]] | None = None
+        #: How the app's results are serialized, accepted and kept, once read.
+        self.result_format: ResultFormat | None = None
         #: A store and a heartbeat per lease database URL.
         self.databases: dict[str, Runtime] = {}
         #: The ``celery worker`` this process belongs to (set by its bootstep).
@@ -111,8 +81,11 @@ class AppRuntime:
         #: The app's lease events: its tasks, leases, heartbeats and sweeps emit here.
         self.events = EventBus()
         self._metrics: Subscriber | None = None
-        #: Spans of ``lease_tracing`` (``celery-lease[otel]``), when on.
-        self.tracing: Tracing | None = None
+        #: The run features the app turned on (tracing), in order: each task's hooks
+        #: are theirs and the run path's own (``celery_lease.run.task.task_hooks``).
+        self.features: tuple[RunHook[Any], ...] = ()
+        #: Each task's run hooks, by task name, with the settings they were made for.
+        self.task_hooks: dict[str, tuple[LeaseConfig, Hooks[Any]]] = {}
         self.installed = False
         #: The flow pump of each lease database in this process: ``(pid, pump)``.
         self.pumps: dict[str, tuple[int, Pump]] = {}
@@ -131,14 +104,28 @@ class AppRuntime:
         if metrics is not None:
             metrics.subscribe(self.events)
 
-    def trace_with(self, tracing: Tracing | None) -> None:
-        """Trace this app's runs with ``tracing`` (None: stop); the previous one stops."""
-        previous = self.tracing
-        if previous is not None and previous is not tracing:
+    def feature(self, kind: type[F]) -> F | None:
+        """The app's run feature of class ``kind``, if on."""
+        for found in self.features:
+            if isinstance(found, kind):
+                return found
+        return None
+
+    def use_feature(self, feature: RunHook[Any] | None, kind: type[RunHook[Any]]) -> None:
+        """Turn on ``feature`` (None: off) in place of the app's feature of class ``kind``;
+        one that listens on events (a :class:`Subscriber`) is subscribed to the app's bus,
+        the one it replaces unsubscribed. Every task's hooks are made again."""
+        with _runtime_lock:
+            previous = self.feature(kind)
+            if previous is feature:
+                return
+            kept = tuple(found for found in self.features if found is not previous)
+            self.features = kept if feature is None else (*kept, feature)
+            self.task_hooks = {}
+        if isinstance(previous, Subscriber):
             previous.unsubscribe(self.events)
-        self.tracing = tracing
-        if tracing is not None:
-            tracing.subscribe(self.events)
+        if isinstance(feature, Subscriber):
+            feature.subscribe(self.events)
 
     def mark_installed(self) -> None:
         """:func:`celery_lease.install` has run for this app (until :meth:`reset`)."""
@@ -157,6 +144,7 @@ class AppRuntime:
         """Read the app's and tasks' settings again on next use."""
         self.config = None
         self.task_configs.clear()
+        self.task_hooks = {}
         self.result_format = None
 
     def pump_for(self, url: str, make: Callable[[], Pump]) -> Pump:
@@ -178,7 +166,7 @@ class AppRuntime:
         """
         self.events.clear()
         self._metrics = None
-        self.tracing = None
+        self.features = ()
         self.installed = False
         pumps = [pump for pid, pump in self.pumps.values() if pid == os.getpid()]
         self.pumps.clear()
@@ -212,13 +200,43 @@ def app_config(app: Celery) -> LeaseConfig:
     return runtime.config
 
 
-def result_format(app: Celery) -> tuple[str, frozenset[str]]:
-    """The app's result serializer and accepted content types, read once and kept
-    (two ``app.conf`` lookups cost more than the rest of encoding a small result)."""
+@dataclasses.dataclass(frozen=True)
+class ResultFormat:
+    """How the app's results are serialized, decoded and kept, read once from ``app.conf``.
+
+    Attributes:
+        serializer: ``result_serializer``.
+        accept: the content types a result is decoded under: ``result_accept_content``,
+            else ``accept_content`` (as Celery's result backends choose).
+        backend: False without a result backend (nobody can ask for a result).
+        expires_ms: ``result_expires`` in milliseconds; None when results never expire.
+    """
+
+    serializer: str
+    accept: frozenset[str]
+    backend: bool
+    expires_ms: int | None
+
+
+def result_format(app: Celery) -> ResultFormat:
+    """The app's :class:`ResultFormat`, read once and kept (``app.conf`` lookups cost more
+    than the rest of encoding a small result)."""
     runtime = app_runtime(app)
     if runtime.result_format is None:
-        accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
-        runtime.result_format = (app.conf.result_serializer or "json", frozenset(accept))
+        conf = app.conf
+        accept = conf.result_accept_content
+        if accept is None:
+            accept = conf.accept_content
+        expires = conf.result_expires
+        if isinstance(expires, datetime.timedelta):
+            expires = expires.total_seconds()
+        backend = conf.result_backend
+        runtime.result_format = ResultFormat(
+            serializer=conf.result_serializer or "json",
+            accept=frozenset(prepare_accept_content(accept)),  # type: ignore[no-untyped-call]
+            backend=bool(backend) and backend != "disabled",
+            expires_ms=round(float(expires) * 1000) if expires else None,
+        )
     return runtime.result_format
 
 

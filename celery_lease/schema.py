@@ -63,6 +63,9 @@ PayloadType = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 #: Largest checkpoint, in bytes of its compact JSON encoding (ASCII, other characters escaped).
 MAX_CHECKPOINT_BYTES = 64 * 1024
+#: Deepest nesting of a checkpoint's lists and objects (decoding stays far from
+#: Python's recursion limit on every next attempt).
+MAX_CHECKPOINT_DEPTH = 100
 #: Longest progress note, in characters.
 MAX_PROGRESS_NOTE = 200
 
@@ -103,6 +106,14 @@ runs = Table(
     Column("result_content_type", String(64), nullable=True),
     # Times the sweeper published the run since a worker last claimed it.
     Column("requeues", Integer, nullable=False, server_default=text("0")),
+    # The run's recovery history, never reset (not by a claim, not by a rerun): how many
+    # times a claim took it over from an expired lease, and the sweeper published it
+    # (expired lease or lost message), each with the last time (DB clock). Written by
+    # the claim's and the sweep's own statements; the web view counts them.
+    Column("takeovers", Integer, nullable=False, server_default=text("0")),
+    Column("taken_over_at", BigInteger, nullable=True),
+    Column("republishes", Integer, nullable=False, server_default=text("0")),
+    Column("republished_at", BigInteger, nullable=True),
     # The latest checkpoint (JSON text) a holder of the run saved, and when (DB
     # clock); carried to every next attempt, cleared when the run succeeds.
     Column("checkpoint", CheckpointType, nullable=True),
@@ -115,6 +126,9 @@ runs = Table(
     # The claiming attempt's W3C traceparent, then the one of the attempt it took
     # over from (celery-lease[otel]); NULL when the claimer traced nothing.
     Column("trace_context", String(TRACE_CONTEXT_LENGTH), nullable=True),
+    # Raised by one only when `lease rerun --force` puts a succeeded run back: part of
+    # every idempotency key (`Lease.idempotency_key`), so a forced rerun charges anew.
+    Column("generation", Integer, nullable=False, server_default=text("0")),
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     Index("ix_celery_lease_runs_status_expires", "status", "lease_expires_at"),
@@ -150,10 +164,42 @@ sweeps = Table(
 )
 
 
+#: One row per leader lease: ``sweeper`` (the in-worker sweeper of this database) and
+#: ``beat:<app>`` (the :class:`~celery_lease.beat.LeaseScheduler` that sends). ``owner``
+#: is unguessable and new at every acquisition; ``term`` grows by one at each. A leader
+#: fences its writes on ``(owner, term)`` and an unexpired ``expires_at`` (DB clock).
+#: A handful of rows, one per name: nothing to retain.
+leaders = Table(
+    "celery_lease_leaders",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("owner", String(255), nullable=False),
+    Column("term", BigInteger, nullable=False),
+    Column("acquired_at", BigInteger, nullable=False),
+    Column("renewed_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+)
+
+#: A ``LeaseScheduler``'s schedule: per scheduler (``beat:<app>``) and entry, the due
+#: time of the last tick sent (epoch ms) and how many were sent. Rows of entries no
+#: longer in the leader's ``beat_schedule`` are deleted when a beat takes the lead.
+schedule = Table(
+    "celery_lease_schedule",
+    metadata,
+    Column("scheduler", String(128), primary_key=True),
+    Column("entry", String(255), primary_key=True),
+    Column("last_run_at", BigInteger, nullable=False),
+    Column("total_run_count", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+)
+
 #: Why a delivery is held in ``celery_lease_held``: its task (or key) is paused, or it
 #: waits for its turn under ``lease_rate_limit``.
 HELD_PAUSED = "paused"
 HELD_RATE = "rate"
+#: Not a delivery: the rate slot a deferred delivery was sent for, bound to its task id
+#: and taken by that delivery's claim once (its message names the row's ``seq``).
+HELD_SLOT = "slot"
 
 #: One row per pause: a task name, and a concurrency key or ``""`` for every key.
 pauses = Table(
@@ -199,6 +245,30 @@ held = Table(
     Column("created_at", BigInteger, nullable=False),
     Index("ix_celery_lease_held_reason_available", "reason", "available_at"),
     Index("ix_celery_lease_held_task", "task_name", "flow_key", "seq"),
+)
+
+
+#: Most follow-up tasks one call hands to a fenced transaction.
+MAX_FOLLOWUPS = 100
+#: Largest follow-up message, in bytes of the serialized signature.
+MAX_FOLLOWUP_BYTES = 64 * 1024
+
+#: Follow-up tasks recorded in a fenced transaction (``fence(conn, send=...)``), one row
+#: each, published after that transaction commits and deleted once published.
+outbox = Table(
+    "celery_lease_outbox",
+    metadata,
+    # The follow-up's Celery task id, derived from the run (celery_lease.lease.keys).
+    Column("task_id", String(255), primary_key=True),
+    Column("run_id", String(255), nullable=False),
+    Column("task_name", String(255), nullable=False),
+    # The signature (task, args, kwargs, options) in the app's task serializer.
+    Column("payload", PayloadType, nullable=False),
+    Column("payload_content_type", String(64), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    # Set by whoever publishes the row; another may take it over once it is stale.
+    Column("taken_at", BigInteger, nullable=True),
+    Index("ix_celery_lease_outbox_created", "created_at"),
 )
 
 
@@ -269,12 +339,15 @@ def encode_checkpoint(state: Any) -> str:
     """``state`` as compact JSON text, or :class:`LeaseInputError` (before any SQL runs).
 
     A JSON value (dict, list, str, int, float, bool, None; no NaN or infinity)
-    whose encoding is at most :data:`MAX_CHECKPOINT_BYTES`. The text is ASCII
-    (other characters escaped), so any column character set holds it.
+    nested at most :data:`MAX_CHECKPOINT_DEPTH` deep, whose strings (and keys) are
+    text (no lone surrogate; a NUL is escaped) and whose encoding is at most
+    :data:`MAX_CHECKPOINT_BYTES`. The text is ASCII (other characters escaped), so
+    any column character set holds it, and every next attempt decodes it.
     """
+    check_checkpoint_value(state)
     try:
         text = json.dumps(state, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError, OverflowError) as exc:
         raise LeaseInputError("checkpoint", f"must be a JSON value: {exc}") from None
     size = len(text)
     if size > MAX_CHECKPOINT_BYTES:
@@ -286,13 +359,65 @@ def encode_checkpoint(state: Any) -> str:
     return text
 
 
+def check_checkpoint_value(state: Any) -> None:
+    """Walk ``state`` without recursion: :class:`LeaseInputError` for a value nested
+    deeper than :data:`MAX_CHECKPOINT_DEPTH`, a lone surrogate in a string, or a
+    string alone longer than the whole checkpoint may be (checked before encoding)."""
+    stack: list[tuple[Any, int]] = [(state, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            # A NUL is fine here: the JSON text escapes it (as ``\u0000``).
+            _check_text("checkpoint", value, MAX_CHECKPOINT_BYTES, nul=True)
+        elif isinstance(value, (dict, list, tuple)):
+            if depth > MAX_CHECKPOINT_DEPTH:
+                raise LeaseInputError(
+                    "checkpoint",
+                    f"is nested more than {MAX_CHECKPOINT_DEPTH} deep "
+                    "(checkpoint a cursor or an offset, not a tree)",
+                )
+            if len(value) > MAX_CHECKPOINT_BYTES:
+                raise LeaseInputError(
+                    "checkpoint",
+                    f"holds a container of {len(value)} items; its JSON cannot fit "
+                    f"{MAX_CHECKPOINT_BYTES} bytes",
+                )
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    stack.append((key, depth + 1))
+                    stack.append((item, depth + 1))
+            else:
+                stack.extend((item, depth + 1) for item in value)
+
+
+def _check_text(field: str, text: str, longest: int, *, nul: bool = False) -> None:
+    """:class:`LeaseInputError` unless ``text`` is at most ``longest`` characters of text
+    every supported database stores as given: no NUL (PostgreSQL refuses it; allowed
+    with ``nul``), no lone surrogate (no encoding holds it)."""
+    if len(text) > longest:
+        raise LeaseInputError(
+            field, f"is {len(text)} characters long; at most {longest} are stored"
+        )
+    if not nul and "\x00" in text:
+        raise LeaseInputError(field, "contains a NUL character, which databases do not store")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LeaseInputError(
+            field,
+            f"contains a lone surrogate at position {exc.start} ({text[exc.start]!a}), "
+            "which no database encoding stores",
+        ) from None
+
+
 def check_progress(
     done: object, total: object, note: object
 ) -> tuple[float, float | None, str | None]:
     """``progress()``'s values as stored, or :class:`LeaseInputError`.
 
-    ``done`` and ``total`` are finite real numbers (``total`` may be None); ``note`` a
-    string of at most :data:`MAX_PROGRESS_NOTE` characters, or None.
+    ``done`` and ``total`` are finite real numbers a double holds (``total`` may be
+    None); ``note`` a string of at most :data:`MAX_PROGRESS_NOTE` characters with no
+    NUL and no lone surrogate, or None.
     """
     values: list[float | None] = []
     for field, value, optional in (("progress_done", done, False), ("progress_total", total, True)):
@@ -301,15 +426,17 @@ def check_progress(
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise LeaseInputError(field, f"must be a number, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise LeaseInputError(field, f"must be finite, got {value!r}")
-        values.append(float(value))
+        try:
+            number = float(value)
+        except (OverflowError, ValueError):
+            raise LeaseInputError(
+                field, f"must be finite: this {type(value).__name__} is too large for a double"
+            ) from None
+        if not math.isfinite(number):
+            raise LeaseInputError(field, f"must be finite, got {number!r}")
+        values.append(number)
     if note is not None:
         if not isinstance(note, str):
             raise LeaseInputError("progress_note", f"must be a string, got {type(note).__name__}")
-        if len(note) > MAX_PROGRESS_NOTE:
-            raise LeaseInputError(
-                "progress_note",
-                f"is {len(note)} characters long; at most {MAX_PROGRESS_NOTE} are stored",
-            )
-    return float(done), values[1], note  # type: ignore[arg-type]
+        _check_text("progress_note", note, MAX_PROGRESS_NOTE)
+    return values[0], values[1], note  # type: ignore[return-value]

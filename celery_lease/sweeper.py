@@ -10,15 +10,31 @@ from typing import Any
 
 from celery import Celery
 
-from .errors import LeaseError
-from .flow import release
+from . import followups
+from .errors import LeadershipLost, LeaseError
+from .events import Event
+from .flow import SLOT_KEPT_MS, release
 from .requeue import SweepReport, requeue_all
-from .retention import SWEEP_PURGE_BUDGET, SWEEP_PURGE_LIMIT, sweep_retention
+from .retention import (
+    SWEEP_PURGE_BUDGET,
+    SWEEP_PURGE_LIMIT,
+    expire_results,
+    purge_rates,
+    sweep_retention,
+)
 from .run.outcome import record_ended
-from .runtime import app_config, app_runtime, lease_databases, runtime_for, store_for
+from .runtime import (
+    app_config,
+    app_runtime,
+    lease_databases,
+    result_format,
+    runtime_for,
+    store_for,
+)
 from .sanitize import describe_exception, safe_url
 from .schema import CANCELLED, FAILED
 from .store import LeaseStore, RunRecord
+from .store.leaders import LeaderTerm
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +53,7 @@ def sweep(
     purge_limit: int = SWEEP_PURGE_LIMIT,
     purge_budget: float | None = SWEEP_PURGE_BUDGET,
     name: str = BEAT_SWEEPER,
+    leader: LeaderTerm | None = None,
 ) -> SweepReport:
     """Recover expired and stranded runs on one lease database once, then apply
     ``lease_retention``, and record the sweep there under ``name``.
@@ -48,8 +65,16 @@ def sweep(
     already published ``max_attempts`` times since its last claim ends
     ``failed`` (``undeliverable``) instead. Last, at most ``purge_limit``
     finished rows older than ``lease_retention`` are deleted, in batches started
-    within ``purge_budget`` seconds (0 rows skips the step). ``store`` defaults
+    within ``purge_budget`` seconds, then as many results kept for a replay past
+    Celery's ``result_expires`` are dropped and idle rate keys' buckets deleted
+    (0 rows skips these steps). ``store`` defaults
     to the app's ``lease_database_url``; :func:`sweep_all` sweeps every database.
+
+    ``leader``: the in-worker sweeper's leader term. The steps that change runs
+    (expired leases, stranded runs) and the sweep's record are then each fenced by
+    it in their own transaction: once another worker took the lead, the next such
+    step raises :class:`~celery_lease.errors.LeadershipLost` and changes nothing.
+    (Publishing held deliveries and retention are guarded on their own rows.)
     """
     config = app_config(app)
     store = store or store_for(app)
@@ -57,11 +82,11 @@ def sweep(
     started = time.monotonic()
     report = SweepReport()
     to_requeue: list[RunRecord] = []
-    for record, status in store.sweep_expired(limit):
+    for record, status in store.sweep_expired(limit, leader=leader):
         if status == FAILED:
             report.failed.append(record.id)
             events.emit(
-                "swept",
+                Event.SWEPT,
                 record.id,
                 "run %s: lease expired, attempts spent",
                 record.id,
@@ -69,18 +94,18 @@ def sweep(
             )
         elif status == CANCELLED:
             report.cancelled.append(record.id)
-            events.emit("swept", record.id, "run %s: cancelled", record.id, action="cancelled")
+            events.emit(Event.SWEPT, record.id, "run %s: cancelled", record.id, action="cancelled")
         else:
             to_requeue.append(record)
     requeue_all(app, to_requeue, report, "expired", store)
     if stale_after is None:
         stale_after = config.sweep_interval + config.lease_seconds
     stranded: list[RunRecord] = []
-    for record, status in store.reclaim_stale(stale_after, limit):
+    for record, status in store.reclaim_stale(stale_after, limit, leader=leader):
         if status == FAILED:
             report.failed.append(record.id)
             events.emit(
-                "swept",
+                Event.SWEPT,
                 record.id,
                 "run %s: published %d times and never claimed: ended failed (undeliverable)",
                 record.id,
@@ -95,24 +120,37 @@ def sweep(
         # Flow control's backstop: deliveries a resume did not publish (it died
         # halfway), and rate-limited ones coming due that no pump is sending.
         report.released.extend(release(app, store, limit=limit))
+        # Retention of recorded rate slots whose delivery never came to take them.
+        store.flow.drop_stale_slots(SLOT_KEPT_MS, limit)
     except LeaseError as exc:
         logger.warning(
             "celery-lease: could not publish held deliveries (run `lease migrate`?): %s",
             describe_exception(exc),
-            extra={"lease_event": "sweep_error"},
+            extra={"lease_event": Event.SWEEP_ERROR},
         )
+    followups.sweep(app, store, report, limit=limit)
     record_ended(app, store, report.failed + report.cancelled)
     if purge_limit:
         report.purged.update(
             sweep_retention(store, config.retention, purge_limit, purge_budget, events).removed
         )
-    _record(app, store, name, report, time.monotonic() - started)
+        expire_results(store, result_format(app).expires_ms, purge_limit, events)
+        purge_rates(store, purge_limit, events)
+    _record(app, store, name, report, time.monotonic() - started, leader)
     return report
 
 
-def _record(app: Celery, store: LeaseStore, name: str, report: SweepReport, took: float) -> None:
+def _record(
+    app: Celery,
+    store: LeaseStore,
+    name: str,
+    report: SweepReport,
+    took: float,
+    leader: LeaderTerm | None = None,
+) -> None:
     """Record the sweep in ``celery_lease_sweeps``; a failure is logged, never raised
-    (the runs were swept: only the liveness record is missing)."""
+    (the runs were swept: only the liveness record is missing), except a fenced record
+    refused (:class:`~celery_lease.errors.LeadershipLost`)."""
     database = store.engine.url.render_as_string(hide_password=True)
     try:
         store.record_sweep(
@@ -124,17 +162,20 @@ def _record(app: Celery, store: LeaseStore, name: str, report: SweepReport, took
             cancelled=len(report.cancelled),
             purged=sum(report.purged.values()),
             errors=len(report.errors),
+            leader=leader,
         )
+    except LeadershipLost:
+        raise
     except LeaseError as exc:
         logger.warning(
             "celery-lease: could not record the sweep of %s (run `lease migrate`?): %s",
             database,
             describe_exception(exc),
-            extra={"lease_event": "sweep_record_error"},
+            extra={"lease_event": Event.SWEEP_RECORD_ERROR},
         )
         return
     app_runtime(app).events.emit(
-        "sweep_done",
+        Event.SWEEP_DONE,
         None,
         "celery-lease: swept %s in %.0f ms",
         database,
@@ -166,7 +207,7 @@ def sweep_all(
                 "celery-lease: could not sweep %s: %s",
                 shown,
                 reports[shown],
-                extra={"lease_event": "sweep_error"},
+                extra={"lease_event": Event.SWEEP_ERROR},
             )
     return reports
 

@@ -5,14 +5,15 @@ off); without it nothing here imports OpenTelemetry and a task costs what it did
 Spans go to the tracer provider the process has set (the SDK's, by the user); with
 the API alone they are the no-op tracer's.
 
-Per delivery, :meth:`LeaseTracing.begin` starts the ``celery_lease.claim`` span
-(a child of the current span: the task's, under
-``opentelemetry-instrumentation-celery``) and returns an :class:`AttemptTrace`,
-or None when nothing records. The claim stores the span's ``traceparent`` with
-the run in its one statement; a claim that takes the run over gets the
-``traceparent`` of the attempt it continues back and links to it. The lease
-opens ``celery_lease.complete``, ``celery_lease.fence`` (and
-``celery_lease.checkpoint``) through :meth:`AttemptTrace.span`.
+:class:`LeaseTracing` is a feature on the run path (a
+:class:`~celery_lease.hooks.RunHook`). Before each claim it starts the
+``celery_lease.claim`` span (a child of the current span: the task's, under
+``opentelemetry-instrumentation-celery``) and keeps an :class:`AttemptTrace`
+for the delivery, when the span records. The claim stores the span's
+``traceparent`` with the run in its one statement; a claim that takes the run
+over gets the ``traceparent`` of the attempt it continues back and links to
+it. The lease's ``complete``, ``fence`` and ``checkpoint`` get their spans
+through the hook's ``around``.
 
 Lease events become events of the task's span: :class:`LeaseTracing` listens on
 the app's :class:`~celery_lease.events.EventBus` (as the metrics do) and finds
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import random
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -33,15 +35,16 @@ from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
 from .errors import LeaseLost
-from .events import EventBus, LeaseState, Transition
+from .events import Event, EventBus, LeaseState, Transition
+from .hooks import RunHook
 from .lease.lease import DEADLINE_PASSED
+from .run.delivery import Delivery
 from .runtime import app_runtime
 from .schema import TRACEPARENT_LENGTH
+from .store import ClaimResult
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, SpanContext, Tracer, TracerProvider
-
-    from .store import ClaimResult
 
 SETTING = "lease_tracing"
 #: The instrumentation scope of every span.
@@ -92,10 +95,10 @@ def continued_context(trace_context: str | None) -> SpanContext | None:
 class AttemptTrace:
     """One delivery's spans: its claim span, the lease's spans, its task span's events.
 
-    Made by :meth:`LeaseTracing.begin` with the claim span started; the attempt
-    ends the claim span with :meth:`claimed` or :meth:`claim_failed`, hands this
-    object to its lease (which opens spans with :meth:`span`), and calls
-    :meth:`end` when the delivery is over.
+    Made by :meth:`LeaseTracing.before_claim` with the claim span started and kept
+    in the delivery's ``feature_state``; the hook ends the claim span with
+    :meth:`claimed` or :meth:`claim_failed`, opens the lease's spans with
+    :meth:`span`, and calls :meth:`end` when the delivery is over.
 
     Attributes:
         task_span: the span current when the claim began (the task's under the
@@ -113,10 +116,12 @@ class AttemptTrace:
         self.attributes = attributes
         self.traceparent = format_traceparent(claim_span.get_span_context())
         self._claim_span = claim_span
+        self._claim_open = True
         self._key: tuple[str, int] | None = None
 
     def claimed(self, claim: ClaimResult) -> None:
         """End the claim span with the claim's outcome; link it to the attempt it continues."""
+        self._claim_open = False
         span = self._claim_span
         outcome = str(claim.outcome)
         span.set_attribute(OUTCOME, _CLAIM_OUTCOMES.get(outcome, outcome))
@@ -136,6 +141,7 @@ class AttemptTrace:
         """End the claim span: the claim raised ``error`` (the body does not run)."""
         from opentelemetry.trace import Status, StatusCode
 
+        self._claim_open = False
         span = self._claim_span
         span.set_attribute(OUTCOME, "error")
         span.record_exception(error)
@@ -173,22 +179,22 @@ class AttemptTrace:
             {**self.attributes, **{f"celery_lease.{k}": v for k, v in attributes.items()}},
         )
 
-    def ended(self, outcome: str) -> None:
-        """End the claim span with ``outcome``: the delivery stopped before its claim
-        (``rate_limited``: deferred to its turn under ``lease_rate_limit``)."""
-        span = self._claim_span
-        span.set_attribute(OUTCOME, outcome)
-        span.end()
-
-    def end(self) -> None:
-        """The delivery is over: no more events for its task span."""
+    def end(self, outcome: str) -> None:
+        """The delivery is over: no more events for its task span. A claim span still open
+        (the delivery stopped before its claim, e.g. ``rate_limited``: deferred to its
+        turn under ``lease_rate_limit``) ends with ``outcome``."""
+        if self._claim_open:
+            self._claim_open = False
+            self._claim_span.set_attribute(OUTCOME, outcome)
+            self._claim_span.end()
         if self._key is not None:
             self.tracing.unwatch(self._key, self)
 
 
-class LeaseTracing:
-    """An app's tracing: starts each delivery's claim span, and adds the lease events
-    of the attempts being traced to their task spans.
+class LeaseTracing(RunHook[Delivery]):
+    """An app's tracing, a run hook: starts each delivery's claim span, wraps the lease's
+    operations in spans, and adds the lease events of the attempts being traced to their
+    task spans.
 
     Listens on the app's :class:`~celery_lease.events.EventBus` once the first
     attempt records (with the API alone, nothing ever records: no listener, the
@@ -209,15 +215,58 @@ class LeaseTracing:
         self._bus: EventBus | None = None
         self._listening = False
 
-    def begin(self, task_name: str, run_id: str, owner: str) -> AttemptTrace | None:
-        """Start a delivery's claim span; None when it does not record (nothing to trace)."""
-        attributes: dict[str, Any] = {RUN_ID: run_id, OWNER: owner, TASK: task_name}
+    def before_claim(self, delivery: Delivery) -> str | None:
+        """Start the delivery's claim span; its ``traceparent`` goes with the claim."""
+        attributes: dict[str, Any] = {
+            RUN_ID: delivery.run_id,
+            OWNER: delivery.owner,
+            TASK: delivery.task_name,
+        }
         span = self.tracer.start_span("celery_lease.claim", attributes=attributes)
         if not span.is_recording():
-            return None
+            return None  # nothing records: nothing to trace for this delivery
         if not self._listening:
             self._listen()
-        return AttemptTrace(self, span, self._current_span(), attributes)
+        trace = AttemptTrace(self, span, self._current_span(), attributes)
+        delivery.feature_state[self] = trace
+        delivery.claim_values["trace_context"] = trace.traceparent
+        return None
+
+    def claimed(self, delivery: Delivery, claim: ClaimResult) -> None:
+        """End the claim span: the claim took the run."""
+        trace = delivery.feature_state.get(self)
+        if isinstance(trace, AttemptTrace):
+            trace.claimed(claim)
+
+    def refused(self, delivery: Delivery, claim: ClaimResult) -> None:
+        """End the claim span with the refusal (busy, paused, duplicate)."""
+        self.claimed(delivery, claim)
+
+    def claim_failed(self, delivery: Delivery, error: BaseException) -> None:
+        """End the claim span: the claim raised ``error``."""
+        trace = delivery.feature_state.get(self)
+        if isinstance(trace, AttemptTrace):
+            trace.claim_failed(error)
+
+    def around(
+        self, delivery: Delivery, operation: str, outcome: str
+    ) -> contextlib.AbstractContextManager[None] | None:
+        """The ``celery_lease.<operation>`` span around the lease's operation; a fence's
+        only for the share ``lease_trace_fence`` of the task's fences."""
+        trace = delivery.feature_state.get(self)
+        if not isinstance(trace, AttemptTrace):
+            return None
+        if operation == "fence":
+            share = delivery.config.trace_fence
+            if share < 1.0 and (share <= 0.0 or random.random() >= share):
+                return None
+        return trace.span(operation, outcome)
+
+    def finished(self, delivery: Delivery, outcome: str) -> None:
+        """The delivery is over: its task span gets no more lease events."""
+        trace = delivery.feature_state.get(self)
+        if isinstance(trace, AttemptTrace):
+            trace.end(outcome)
 
     def watch(self, key: tuple[str, int], trace: AttemptTrace) -> None:
         """Add the lease events of attempt ``key`` (run id, attempt) to ``trace``."""
@@ -230,13 +279,13 @@ class LeaseTracing:
             if self._attempts.get(key) is trace:
                 del self._attempts[key]
 
-    def __call__(self, event: str, fields: dict[str, Any]) -> None:
+    def __call__(self, event: Event, fields: dict[str, Any]) -> None:
         """The :meth:`~celery_lease.events.EventBus.add_listener` hook."""
-        if event == "interrupt_sent":
+        if event is Event.INTERRUPT_SENT:
             found = self._attempts.get((str(fields.get("run_id")), int(fields.get("attempt", 0))))
             if found is not None:
                 found.event("interrupt_sent")
-        elif event == "heartbeat_error":
+        elif event is Event.HEARTBEAT_ERROR:
             reason = str(fields.get("error", ""))
             for run_id, _owner, attempt in fields.get("keys", ()):
                 found = self._attempts.get((run_id, attempt))
@@ -293,13 +342,13 @@ def enable(app: Celery, tracer_provider: TracerProvider | None = None) -> LeaseT
             "celery-lease tracing needs opentelemetry-api: pip install 'celery-lease[otel]' "
             f"(or set {SETTING} = False)"
         ) from exc
-    app_runtime(app).trace_with(tracing)
+    app_runtime(app).use_feature(tracing, LeaseTracing)
     return tracing
 
 
 def disable(app: Celery) -> None:
     """Stop tracing ``app``'s runs in this process."""
-    app_runtime(app).trace_with(None)
+    app_runtime(app).use_feature(None, LeaseTracing)
 
 
 def enable_from_app(app: Celery) -> LeaseTracing | None:
@@ -315,8 +364,8 @@ def enable_from_app(app: Celery) -> LeaseTracing | None:
     value = app.conf.get(SETTING)
     if value is False:
         return None
-    tracing = app_runtime(app).tracing
-    if isinstance(tracing, LeaseTracing):
+    tracing = app_runtime(app).feature(LeaseTracing)
+    if tracing is not None:
         return tracing  # enabled already (with its own provider, say)
     if value is not None and value is not True:
         raise ImproperlyConfigured(f"{SETTING} must be True, False or None, got {value!r}")

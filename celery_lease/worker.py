@@ -12,7 +12,6 @@ import logging
 import mmap
 import os
 import re
-import socket
 import time
 import uuid
 import weakref
@@ -22,32 +21,59 @@ from celery import Celery, bootsteps, signals
 from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 
-from .config import LeaseConfig, celery_command, check_app_settings, check_task_options
+from .app import check_extras
+from .config import (
+    LeaseConfig,
+    celery_command,
+    check_app_settings,
+    check_task_options,
+    worker_sweeper,
+)
 from .errors import LeaseDatabaseError
+from .events import Event
 from .flow import wake_pumps
 from .liveness import SweepWatch, watch_sweeps
 from .requeue import SweepReport, requeue_all
 from .run.outcome import record_ended
 from .run.runids import run_id_of
 from .run.task import LeasedTask
-from .runtime import WorkerInstance, app_config, app_runtime, runtime_for, shutting_down
+from .runtime import (
+    WorkerInstance,
+    app_config,
+    app_runtime,
+    lease_databases,
+    runtime_for,
+    shutting_down,
+)
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import RunNotFound
 from .store.databases import database_for
 from .sweeper import register_sweep_task
+from .worker_sweeper import WorkerSweeper
 
 logger = logging.getLogger(__name__)
 
 
-class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
-    """Checks lease settings and the lease database before the worker forks its pool.
+class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The worker's lease services, from its start-up checks to its shutdown.
 
-    A permanent problem stops ``celery worker`` with one line on stderr and
-    exit status 1 (a ``SystemExit``, which Celery lets through without a
-    traceback); a signal receiver cannot do this.
+    Made before the worker forks its pool, it checks lease settings and the lease
+    database: a permanent problem stops ``celery worker`` with one line on stderr
+    and exit status 1 (a ``SystemExit``, which Celery lets through without a
+    traceback); a signal receiver cannot do this. Started after the pool (so
+    its threads stay in the main process), it starts the worker's services: the
+    in-worker sweeper of each lease database (:class:`WorkerSweeper`; or, with
+    ``lease_worker_sweeper = False``, the :class:`SweepWatch`) and the flow
+    pumps of deliveries held by workers gone since. A warm shutdown (``stop``)
+    stops them and marks the worker as shutting down; a cold one
+    (``terminate``) also hands the worker's leases back. Celery calls these from
+    ``celery worker`` and from ``celery.contrib.testing``'s ``start_worker``
+    alike, which sends no ``worker_ready``/``worker_shutting_down`` signal.
     """
 
     name = "celery_lease.LeaseBootstep"
+    #: Started after the pool forks its children, stopped before the pool stops.
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         app = parent.app
@@ -64,7 +90,58 @@ class LeaseBootstep(bootsteps.Step):  # type: ignore[misc]
         if app_runtime(app).attach_worker(instance):
             _connect_receivers(app)
         register_sweep_task(app)
+        self.app = app
+        self.instance = instance
+        self.sweepers: list[WorkerSweeper] = []
+        self.watch: SweepWatch | None = None
         super().__init__(parent, **kwargs)
+
+    def start(self, parent: Any) -> None:
+        """Start the sweepers (or the sweep watch) and wake the flow pumps; a failure is
+        logged, never raised (a hook never takes the worker down)."""
+        app = self.app
+        if worker_sweeper(app.conf):
+            for config in lease_databases(app):
+                try:
+                    sweeper = WorkerSweeper(
+                        app, config, hostname=parent.hostname, worker=self.instance.id
+                    )
+                    sweeper.start()
+                except Exception as exc:
+                    logger.warning(
+                        "celery-lease: in-worker sweeper of %s not started: %s",
+                        safe_url(config.database_url),
+                        describe_exception(exc),
+                    )
+                    continue
+                self.sweepers.append(sweeper)
+        else:
+            try:
+                self.watch = watch_sweeps(app)
+            except Exception as exc:
+                logger.warning("celery-lease: sweep watch not started: %s", exc)
+        try:
+            wake_pumps(app)  # rate-limited deliveries held by workers gone since
+        except Exception as exc:
+            logger.warning("celery-lease: flow pump not started: %s", exc)
+
+    def stop(self, parent: Any) -> None:
+        """Warm shutdown: claim nothing new, stop the services (resigning the sweeper's
+        lead); running bodies finish under their leases."""
+        self.instance.flag[0] = 1
+        self._stop_services()
+
+    def terminate(self, parent: Any) -> None:
+        """Cold shutdown: as :meth:`stop`, then hand this worker's leases back."""
+        self.stop(parent)
+        _hand_back(self.app, self.instance)
+
+    def _stop_services(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        sweepers, self.sweepers = self.sweepers, []
+        for sweeper in sweepers:
+            sweeper.stop(timeout=2.0)
 
 
 #: How long a worker retries an unreachable lease database at start-up.
@@ -79,6 +156,10 @@ def _check_worker_startup(app: Celery, pool: Any) -> None:
     threads (gevent, eventlet).
     """
     check_app_settings(app)
+    try:
+        check_extras(app)
+    except ImportError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
     config = app_config(app)
     configs = {config.database_url: config}
     for task in list(app.tasks.values()):
@@ -113,25 +194,11 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
     logger.info(
         "celery-lease: lease database %s",
         shown,
-        extra={"lease_event": "database", "run_id": None},
+        extra={"lease_event": Event.DATABASE, "run_id": None},
     )
-    if backend == "sqlite":
-        path = url.database
-        if path and path != ":memory:" and not path.startswith("file:"):
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                raise ImproperlyConfigured(
-                    f"lease_database_url ({shown}): directory {folder} does not exist"
-                )
-    elif url.host and not url.host.startswith("/"):
-        try:
-            socket.getaddrinfo(url.host, url.port)
-        except socket.gaierror as exc:
-            if exc.errno != getattr(socket, "EAI_AGAIN", None):  # AGAIN: DNS itself is down
-                raise ImproperlyConfigured(
-                    f"lease_database_url ({shown}): host {url.host!r} does not resolve "
-                    f"({exc.strerror})"
-                ) from None
+    problem = database_for(backend).unreachable(url)
+    if problem is not None:
+        raise ImproperlyConfigured(f"lease_database_url ({shown}): {problem}")
     deadline = time.monotonic() + STARTUP_RETRY_SECONDS
     delay = 0.25
     while True:
@@ -159,7 +226,7 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
                     shown,
                     STARTUP_RETRY_SECONDS,
                     describe_exception(exc, 500),
-                    extra={"lease_event": "database_unreachable", "run_id": None},
+                    extra={"lease_event": Event.DATABASE_UNREACHABLE, "run_id": None},
                 )
                 return
             logger.warning(
@@ -167,7 +234,7 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
                 shown,
                 delay,
                 describe_exception(exc, 500),
-                extra={"lease_event": "database_unreachable", "run_id": None},
+                extra={"lease_event": Event.DATABASE_UNREACHABLE, "run_id": None},
             )
             time.sleep(delay)
             delay *= 2
@@ -243,23 +310,7 @@ def _connect_receivers(app: Celery) -> None:
         if found is not None:
             _on_worker_process_init(found)
 
-    watches: list[SweepWatch] = []
-
-    def ready(**kwargs: Any) -> None:
-        found = ref()
-        if found is not None and not watches:
-            try:
-                watches.append(watch_sweeps(found))
-            except Exception as exc:  # a hook never takes the worker down
-                logger.warning("celery-lease: sweep watch not started: %s", exc)
-            try:
-                wake_pumps(found)  # rate-limited deliveries held by workers gone since
-            except Exception as exc:
-                logger.warning("celery-lease: flow pump not started: %s", exc)
-
     def shutting_down(sender: Any = None, how: str = "Warm", **kwargs: Any) -> None:
-        for watch in watches:
-            watch.stop()
         found = ref()
         if found is not None:
             _on_worker_shutting_down(found, how)
@@ -270,7 +321,6 @@ def _connect_receivers(app: Celery) -> None:
             _on_worker_process_shutdown(found)
 
     signals.worker_process_init.connect(process_init, weak=False)
-    signals.worker_ready.connect(ready, weak=False)
     signals.worker_shutting_down.connect(shutting_down, weak=False)
     signals.worker_process_shutdown.connect(process_shutdown, weak=False)
     signals.task_revoked.connect(
@@ -287,23 +337,33 @@ def _on_worker_process_init(app: Celery) -> None:
 
 
 def _on_worker_shutting_down(app: Celery, how: str) -> None:
-    """The worker begins to shut down: claim nothing new; on a cold one, hand leases back.
+    """``celery worker`` begins to shut down (its signal handler, before the bootstep
+    hears of it): claim nothing new; on a cold one, hand leases back at once.
 
     A warm shutdown waits for running bodies, so their leases stay held and
-    they finish under them. On a cold shutdown the worker stops consuming
-    (:func:`_stop_consuming`), then its runs become ``retrying``, available
-    now, and are re-enqueued, so another worker takes them over at once
-    instead of after expiry. Celery 5.5 and later have cancelled the running
-    bodies by then; on 5.4 they are terminated just after, and a body that
-    reaches its lease first finds it lost. Only leases whose owner carries
-    this worker's id are touched.
+    they finish under them. A cold one is handed back here, as early as it can
+    be (a warm shutdown turned cold by a second signal never reaches the
+    bootstep's ``terminate``), and again, finding nothing left, by the bootstep.
     """
     instance = app_runtime(app).worker
     if instance is None:
         return
     instance.flag[0] = 1
-    if how != "Cold":
-        return
+    if how == "Cold":
+        _hand_back(app, instance)
+
+
+def _hand_back(app: Celery, instance: WorkerInstance) -> None:
+    """Hand back every lease this worker's processes hold: cold shutdown.
+
+    The worker stops consuming first (:func:`_stop_consuming`), then its runs
+    become ``retrying``, available now, and are re-enqueued, so another worker
+    takes them over at once instead of after expiry. Celery 5.5 and later have
+    cancelled the running bodies by then; on 5.4 they are terminated just
+    after, and a body that reaches its lease first finds it lost. Only leases
+    whose owner carries this worker's id are touched; a second call finds
+    nothing left to hand back.
+    """
     _stop_consuming(instance)
     pid = os.getpid()
     for runtime in list(app_runtime(app).databases.values()):
@@ -359,7 +419,7 @@ def _on_task_revoked(
     if kwargs.get("terminated") and _terminated_by_shutdown(sender.app, request.id):
         return  # the shutdown's hand-back gives the run back: no one asked to cancel it
     try:
-        run_id = run_id_of(sender, request)
+        run_id = run_id_of(sender.name, sender.lease_config(), request)
         store = runtime_for(sender.app, sender.lease_config()).store
         status = store.cancel(run_id, task_id=request.id, running=not expired)
     except RunNotFound:
@@ -378,7 +438,7 @@ def _on_task_revoked(
         ("left running (an expired copy)" if expired else "cancel-requested")
         if status == "running"
         else status,
-        extra={"lease_event": "revoked", "run_id": run_id},
+        extra={"lease_event": Event.REVOKED, "run_id": run_id},
     )
 
 

@@ -3,10 +3,13 @@
 Two ``celery worker`` processes (alpha, bravo) and ``celery beat`` capture a
 stream of orders. Midway, alpha is frozen with SIGSTOP past its lease (bravo
 takes its runs over, and alpha's late completion is refused once it thaws),
-then killed with SIGKILL (the sweeper re-enqueues its runs, bravo finishes
-them). Meanwhile a third worker (charlie) exports a few hundred past orders;
-it is killed with SIGKILL mid-export and a fourth (delta) resumes the export
-from its checkpoint. The summary is computed from the database and the
+then killed with SIGKILL after the gateway charged one of its captures and
+before that capture committed (the sweeper re-enqueues its runs, bravo finishes
+them, and the gateway answers bravo's call, made with the same idempotency key,
+with the first charge: one charge). Each capture sends a receipt as a follow-up
+task, only once it has committed. Meanwhile a third worker (charlie) exports a
+few hundred past orders; it is killed with SIGKILL mid-export and a fourth
+(delta) resumes the export from its checkpoint. The summary is computed from the database and the
 workers' logs, and the exit status is non-zero if any invariant fails.
 """
 
@@ -142,8 +145,12 @@ class Demo:
         self.held_back_from = orders - orders // HELD_BACK_SHARE + 1  # the first order held
         self.holding_back = True
         self.notes: list[str] = []
+        #: The captures alpha was killed between the gateway's reply and the commit of.
+        self.charged_at_kill: list[str] = []
         self.killed: set[str] = set()
-        self.export_prefix = f"hist-{self.batch}-"
+        # The export's key (its run id reads "export:hist-<batch>"); its orders are
+        # "hist-<batch>-001" and on.
+        self.export_prefix = f"hist-{self.batch}"
         self.export_run = tasks.export_orders.lease_run_id(self.export_prefix)
         self.export_resumed_at: int | None = None
 
@@ -177,7 +184,7 @@ class Demo:
         """Lease table (``celery lease migrate`` off SQLite) and the shop's own tables."""
         from .tables import metadata
 
-        if self.store.dialect != "sqlite":
+        if self.store.db.dialect != "sqlite":
             proc = subprocess.run(
                 [sys.executable, "-m", "celery", "-A", "example_project.app", "lease", "migrate"],
                 env={**self.env, "PYTHONPATH": str(PROJECT_ROOT)},
@@ -201,7 +208,7 @@ class Demo:
         now = self.store.now_ms()
         rows = [
             {
-                "id": f"{self.export_prefix}{n:03d}",
+                "id": f"{self.export_prefix}-{n:03d}",
                 "merchant_id": merchant_of(n),
                 "amount_cents": 1000 + (n * 1379) % 9000,
                 "currency": "EUR",
@@ -344,7 +351,7 @@ class Demo:
         """Capture runs of this demo running on ``worker`` with a live lease."""
         now = self.store.now_ms()
         held = []
-        for run in self.store.list_runs(status="running", limit=1000):
+        for run in self.store.reads.list_runs(status="running", limit=1000):
             if not run.id.startswith(f"capture:ord-{self.batch}-"):
                 continue
             if not (run.lease_owner or "").startswith(f"{worker}@"):
@@ -415,40 +422,94 @@ class Demo:
             line = re.sub(r"(owner \S+?:\d+:)[0-9a-f]{32}", r"\1…", found[run_id])
             self.say(f"  refused: {line}")
 
-    def kill_mid_run(self, alpha: CeleryProcess) -> list[str]:
-        """SIGKILL alpha while it holds captures; the sweeper hands them to bravo."""
+    def charged_uncommitted(self) -> set[str]:
+        """Orders of this demo the gateway has charged and whose capture has not committed."""
+        from sqlalchemy import select
 
-        def holding(count: int) -> list[Any]:
-            held = self.held_by("alpha")
-            return held if len(held) >= count else []
+        from .tables import gateway_charges, orders
+
+        with self.engine.connect() as conn:
+            return set(
+                conn.execute(
+                    select(gateway_charges.c.order_id)
+                    .join(orders, orders.c.id == gateway_charges.c.order_id)
+                    .where(
+                        gateway_charges.c.order_id.like(f"ord-{self.batch}-%"),
+                        orders.c.status == "pending",
+                    )
+                ).scalars()
+            )
+
+    def kill_mid_run(self, alpha: CeleryProcess) -> list[str]:
+        """SIGKILL alpha after the gateway charged one of its captures and before that
+        capture committed; the sweeper hands its runs to bravo, whose attempt sends the
+        gateway the same idempotency key and gets the first charge back."""
+
+        def charged_by_alpha() -> list[Any]:
+            charged = self.charged_uncommitted()
+            return [r for r in self.held_by("alpha") if r.id.split(":", 1)[1] in charged]
 
         self.holding_back = False  # the last orders arrive now, late ones at once
-        # Best with both of alpha's pool processes mid-capture; one will do.
-        held = self.wait_until(lambda: holding(2), 6) or self.wait_until(lambda: holding(1), 20)
-        if not held:
-            raise DemoFailed("alpha held no capture to kill it during")
+        found = self.wait_until(charged_by_alpha, 25)
+        if not found:
+            raise DemoFailed("alpha never held a charged capture to kill it before the commit")
+        held = self.held_by("alpha")
         alpha.kill9()
         self.killed.add("alpha")
-        ids = [run.id for run in held]
-        self.say(f"SIGKILL alpha (pid {alpha.pid}) mid-capture of {', '.join(ids)}")
+        charged = [run.id for run in found]
+        self.charged_at_kill = charged
+        others = [run.id for run in held if run.id not in charged]
+        self.say(
+            f"SIGKILL alpha (pid {alpha.pid}) between the gateway's reply and the commit of "
+            f"{', '.join(charged)}" + (f"; also mid-capture: {', '.join(others)}" if others else "")
+        )
+        ids = charged + others
         self.wait_until(
             lambda: all((r := self.store.get(i)) and r.status == "succeeded" for i in ids), 30
         )
         for run_id in ids:
             if not self.say_takeover(run_id):
                 self.notes.append(f"{run_id} was not recovered within 30 s of the kill")
+        for run_id in charged:
+            self.say_gateway(run_id)
         return ids
+
+    def say_gateway(self, run_id: str) -> None:
+        """Tell how the gateway answered the capture alpha was killed after charging."""
+        from sqlalchemy import select
+
+        from .tables import gateway_charges
+
+        order_id = run_id.split(":", 1)[1]
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(gateway_charges).where(gateway_charges.c.order_id == order_id)
+            ).all()
+        row = self.store.get(run_id)
+        attempt = "?" if row is None else row.attempt
+        if len(rows) == 1 and rows[0].replays:
+            self.say(
+                f"  {run_id}: attempt {attempt} sent the gateway the same key "
+                f"({rows[0].idempotency_key}): answered with the first charge; charged once"
+            )
+        else:
+            self.notes.append(
+                f"{run_id}: {len(rows)} gateway charges, "
+                f"{sum(r.replays for r in rows)} replays after the kill"
+            )
 
     def say_takeover(self, run_id: str) -> bool:
         """Tell who finished ``run_id`` after its lease expired; False if nobody yet."""
         row = self.store.get(run_id)
         if row is None or row.status != "succeeded":
             return False
-        how = (
-            "swept and re-enqueued"
-            if f"run {run_id}: re-enqueued (expired)" in self.logs()
-            else "claimed by another delivery"
-        )
+        # The row's recovery history says what happened (no claim resets it).
+        if row.republishes:
+            how = "swept and re-enqueued"
+        elif row.takeovers:
+            how = "claimed by another delivery"
+        else:
+            how = "handed back and claimed again"
         worker = (row.lease_owner or "?").split("@")[0]
         self.say(f"  {run_id}: lease expired, {how}, captured by {worker} on attempt {row.attempt}")
         return True
@@ -459,7 +520,7 @@ class Demo:
         return bool(self.wait_until(lambda: not self.plan and self.all_done(), remaining))
 
     def all_done(self) -> bool:
-        if self.captured() < self.order_count:
+        if self.captured() < self.order_count or self.receipts_sent() < self.order_count:
             return False
         export = self.store.get(self.export_run)
         if export is None or not export.terminal:
@@ -467,10 +528,26 @@ class Demo:
         runs = self.runs()
         return len(runs) == self.order_count and all(r.terminal for r in runs)
 
+    def receipts_sent(self) -> int:
+        from sqlalchemy import func, select
+
+        from .tables import receipts
+
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count(func.distinct(receipts.c.order_id))).where(
+                        receipts.c.order_id.like(f"ord-{self.batch}-%")
+                    )
+                ).scalar_one()
+            )
+
     def runs(self) -> list[Any]:
         return [
             run
-            for run in self.store.list_runs(task_name=self.tasks.capture_payment.name, limit=10_000)
+            for run in self.store.reads.list_runs(
+                task_name=self.tasks.capture_payment.name, limit=10_000
+            )
             if run.id.startswith(f"capture:ord-{self.batch}-")
         ]
 
@@ -483,13 +560,19 @@ class Demo:
         """Print the table and the invariants; True when every invariant holds."""
         from sqlalchemy import select
 
-        from .tables import exports, orders, payments
+        from .tables import exports, gateway_charges, orders, payments, receipts
 
         prefix = f"ord-{self.batch}-"
         with self.engine.connect() as conn:
             order_rows = conn.execute(select(orders).where(orders.c.id.like(prefix + "%"))).all()
             pay_rows = conn.execute(
                 select(payments).where(payments.c.order_id.like(prefix + "%"))
+            ).all()
+            charge_rows = conn.execute(
+                select(gateway_charges).where(gateway_charges.c.order_id.like(prefix + "%"))
+            ).all()
+            receipt_rows = conn.execute(
+                select(receipts).where(receipts.c.order_id.like(prefix + "%"))
             ).all()
             export_rows = conn.execute(
                 select(exports).where(exports.c.order_id.like(self.export_prefix + "%"))
@@ -506,6 +589,10 @@ class Demo:
 
         per_order = collections.Counter(p.order_id for p in pay_rows)
         double = sorted(order_id for order_id, n in per_order.items() if n > 1)
+        charges = collections.Counter(c.order_id for c in charge_rows)
+        charged_twice = sorted(o for o, n in charges.items() if n > 1)
+        receipted = collections.Counter(r.order_id for r in receipt_rows)
+        receipted_twice = sorted(o for o, n in receipted.items() if n > 1)
         succeeded = sum(1 for r in runs.values() if r.status == "succeeded")
         retried = sum(1 for r in runs.values() if r.attempt > 1)
         refused = set(re.findall(rf"automation_run_lease_lost: run ({run_re}) attempt (\d+)", logs))
@@ -543,6 +630,11 @@ class Demo:
             ("peak captures per merchant", self.peak_per_merchant(pay_rows)),
             ("payments committed", len(pay_rows)),
             ("double commits", len(double)),
+            ("gateway charges", len(charge_rows)),
+            ("gateway calls answered by key", sum(c.replays for c in charge_rows)),
+            ("orders charged twice", len(charged_twice)),
+            ("receipts sent", len(receipt_rows)),
+            ("receipts sent twice", len(receipted_twice)),
             ("orders exported", len(per_export)),
             ("export attempts", 0 if export_run is None else export_run.attempt),
             ("orders exported twice", len(exported_twice)),
@@ -580,6 +672,20 @@ class Demo:
                 pay.captured_by,
             ):
                 failures.append(f"{pay.order_id}: payment not written by the run's final owner")
+        refs = {c.order_id: c.ref for c in charge_rows}
+        not_charged_once = sorted(o for o in orders_by_id if charges.get(o, 0) != 1)
+        if not_charged_once:
+            failures.append(f"orders not charged exactly once: {', '.join(not_charged_once)}")
+        if any(refs.get(p.order_id) != p.gateway_ref for p in pay_rows):
+            failures.append("a payment records another charge than the gateway's")
+        not_receipted = sorted(o for o in orders_by_id if receipted.get(o, 0) != 1)
+        if not_receipted:
+            failures.append(f"receipts not sent exactly once: {', '.join(not_receipted)}")
+        replayed = {c.order_id for c in charge_rows if c.replays}
+        if not self.charged_at_kill or any(
+            run_id.split(":", 1)[1] not in replayed for run_id in self.charged_at_kill
+        ):
+            failures.append("the capture killed after its charge was not answered by its key")
         peak = self.peak_per_merchant(pay_rows)
         if peak > self.tasks.MAX_CAPTURES_PER_MERCHANT:
             failures.append(f"{peak} captures of one merchant overlapped")
@@ -602,7 +708,9 @@ class Demo:
         else:
             self.say(
                 "invariants hold: every order captured exactly once, every run terminal, "
-                "no double commit, each payment fenced by its run's final attempt, "
+                "no double commit, each order charged once at the gateway (the capture "
+                "killed after its charge too), each receipt sent once, "
+                "each payment fenced by its run's final attempt, "
                 f"at most {self.tasks.MAX_CAPTURES_PER_MERCHANT} captures per merchant at once, "
                 "the export resumed from its checkpoint with no order exported twice"
             )

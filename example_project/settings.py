@@ -27,12 +27,15 @@ class Timings:
     #: A pending order whose capture never started is submitted again after this.
     resubmit_after: float
     resubmit_interval: float
+    #: The shop's bookkeeping between the gateway's reply and the commit (a fraud
+    #: score, a ledger lookup): the window in which the demo kills a worker.
+    after_reply: float = 0.0
 
 
 #: Production-like timings (the celery-lease defaults, a 5-minute resubmit).
 PRODUCTION = Timings(30.0, 60.0, 2.0, 600.0, 300.0, 60.0)
 #: Short timings so the demo shows expiry, sweeping and takeover in seconds.
-DEMO = Timings(3.0, 1.0, 0.5, 2.0, 15.0, 2.0)
+DEMO = Timings(3.0, 1.0, 0.5, 2.0, 15.0, 2.0, after_reply=0.25)
 TIMINGS = {"production": PRODUCTION, "demo": DEMO}
 
 

@@ -6,7 +6,7 @@ lease check (``self.lease.fence(conn)``) happen in one transaction.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Float, Integer, MetaData, String, Table
+from sqlalchemy import BigInteger, Column, Float, Integer, MetaData, String, Table, text
 
 metadata = MetaData()
 
@@ -52,4 +52,29 @@ exports = Table(
     # The lease attempt that exported it, and its owner.
     Column("attempt", Integer, nullable=False),
     Column("exported_by", String(255), nullable=False),
+)
+
+#: One row per order receipt sent: the follow-up task ``send_receipt`` writes it with its
+#: run's success. Again no UNIQUE(order_id): the demo counts receipts sent twice.
+receipts = Table(
+    "shop_receipts",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("order_id", String(64), nullable=False, index=True),
+    # The follow-up's task id (its run id), derived from the capture's run.
+    Column("run_id", String(255), nullable=False),
+)
+
+#: The stand-in gateway's own record (see gateway.py): one row per charge, keyed by the
+#: idempotency key the capture sent. Kept in the shop's database only for the demo's
+#: convenience; a real gateway is another system, which no lease transaction includes.
+gateway_charges = Table(
+    "gateway_charges",
+    metadata,
+    Column("idempotency_key", String(255), primary_key=True),
+    Column("order_id", String(64), nullable=False, index=True),
+    Column("amount_cents", Integer, nullable=False),
+    Column("ref", String(64), nullable=False),
+    # Calls that came again with this key: answered with the first charge.
+    Column("replays", Integer, nullable=False, server_default=text("0")),
 )

@@ -2,8 +2,10 @@
 
 ``capture_payment`` is a ``LeasedTask``: its run id is the order (an
 idempotency key, so submitting an order twice is one run), at most two
-captures per merchant run at a time (a concurrency key), and its writes commit
-only while the worker still holds the lease (``self.lease.fence``).
+captures per merchant run at a time (a concurrency key), the gateway gets the
+run's idempotency key (one charge, however many attempts), and its writes
+commit only while the worker still holds the lease (``self.lease.fence``),
+together with the receipt follow-up, which is sent only once they committed.
 ``export_orders`` is a resumable job: each chunk of exported orders commits
 with its checkpoint, so a killed worker's successor resumes where it stopped.
 """
@@ -19,7 +21,7 @@ from celery_lease import LeasedTask, store_for
 
 from . import gateway
 from .app import app, settings
-from .tables import exports, orders, payments
+from .tables import exports, orders, payments, receipts
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +82,20 @@ def capture_payment(self: LeasedTask, order_id: str, merchant_id: str) -> str:
     gateway_ref = gateway.capture(
         order_id,
         order.amount_cents,
-        idempotency_key=lease.run_id,
+        # The same in every attempt of this run ("capture:<order>:capture:0"): a retry
+        # after a crash past this call gets the first charge back, never a second one.
+        idempotency_key=lease.idempotency_key("capture"),
         attempt=lease.attempt,
         checkpoint=lease.check,  # LeaseLost / RunCancelled as soon as the heartbeat knows
+        engine=shop_engine(),
     )
+    time.sleep(settings.timings.after_reply)  # bookkeeping before the commit
     with shop_engine().begin() as conn:
         # Lock the run row, prove we still own it and mark it succeeded, all in
         # this transaction: the payment and the completion commit together, or
-        # (lease lost) neither does.
-        lease.fence(conn, complete=True)
+        # (lease lost) neither does. The receipt is recorded in it too, and sent
+        # once it has committed.
+        lease.fence(conn, complete=True, send=[send_receipt.s(order_id)])
         conn.execute(
             insert(payments).values(
                 order_id=order_id,
@@ -103,6 +110,21 @@ def capture_payment(self: LeasedTask, order_id: str, merchant_id: str) -> str:
         )
         conn.execute(update(orders).where(orders.c.id == order_id).values(status="captured"))
     return gateway_ref
+
+
+@app.task(  # type: ignore[untyped-decorator]
+    base=LeasedTask, bind=True, name="example_project.send_receipt"
+)
+def send_receipt(self: LeasedTask, order_id: str) -> str:
+    """Send an order's receipt (a row in ``shop_receipts``), as a follow-up of its capture.
+
+    A ``LeasedTask``: its run id is the task id the capture's lease derived, so if the
+    sweeper ever publishes it a second time, this lease drops the copy.
+    """
+    with shop_engine().begin() as conn:
+        self.lease.fence(conn, complete=True)
+        conn.execute(insert(receipts).values(order_id=order_id, run_id=self.lease.run_id))
+    return order_id
 
 
 #: Orders per fenced transaction of the export (one checkpoint each).

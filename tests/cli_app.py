@@ -2,7 +2,8 @@
 
 Configured from environment variables: ``CL_LEASE_DB`` (lease database URL),
 ``CL_BROKER_URL`` and ``CL_FS_DIR`` (a ``filesystem://`` broker folder, so the
-sweeper can re-enqueue without any server).
+sweeper can re-enqueue without any server), ``CL_WEB_HOSTS`` (``lease_web_hosts``,
+comma-separated).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     lease_database_url=os.environ.get("CL_LEASE_DB"),
 )
+if os.environ.get("CL_WEB_HOSTS"):
+    app.conf.lease_web_hosts = os.environ["CL_WEB_HOSTS"].split(",")
 if os.environ.get("CL_FS_DIR"):
     folder = os.environ["CL_FS_DIR"]
     app.conf.broker_transport_options = {

@@ -109,11 +109,12 @@ def amqp_url() -> str:
 
 @pytest.fixture
 def workers(tmp_path: Path) -> Iterator[list[Worker]]:
-    """Workers a test starts; each is stopped by PID at teardown."""
+    """Workers a test starts; each is killed by PID at teardown (the test is over: no warm
+    shutdown, see :meth:`Worker.discard`)."""
     started: list[Worker] = []
     yield started
     for worker in started:
-        worker.stop()
+        worker.discard()
 
 
 @pytest.fixture(params=SETUPS, ids=SETUP_IDS)

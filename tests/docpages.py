@@ -78,6 +78,8 @@ def reader_env(**extra: str) -> dict[str, str]:
     """This environment without the test suite's ``CELERY_*`` variables: a reader's shell."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
     env.pop("PYTHONPATH", None)
+    # A test of the Django pages may have set it in this process: a reader's shell has none.
+    env.pop("DJANGO_SETTINGS_MODULE", None)
     return {**env, **extra}
 
 

@@ -61,7 +61,11 @@ def test_takeover_behind_frozen_fence_reports_busy_within_lock_bound(
     finally:
         holder.dispose()
     # MySQL's lock wait is whole seconds, at least one.
-    lock = max(1, math.ceil(store.bounds.lock)) if store.dialect == "mysql" else store.bounds.lock
+    lock = (
+        max(1, math.ceil(store.db.bounds.lock))
+        if store.db.dialect == "mysql"
+        else store.db.bounds.lock
+    )
     assert taken.outcome == "busy" and taken.reason == "locked", taken
     assert waited < lock + 1.5, waited
     assert beat_waited < lock + 1.5, beat_waited
@@ -86,11 +90,11 @@ def test_heartbeat_through_a_partition_fails_within_client_bound(pg_url: str) ->
         with pytest.raises(LeaseDatabaseError):
             store.heartbeat([key])
         waited = time.monotonic() - started
-        assert waited < store.bounds.client + 1.0, waited
+        assert waited < store.db.bounds.client + 1.0, waited
         started = time.monotonic()
         with pytest.raises(LeaseDatabaseError):
             store.heartbeat([key])  # a new connection: the connect is bounded too
-        assert time.monotonic() - started < store.bounds.connect + store.bounds.client + 1.0
+        assert time.monotonic() - started < store.db.bounds.connect + store.db.bounds.client + 1.0
         proxy.heal()
         assert store.heartbeat([key]).renewed == {key}
     finally:

@@ -178,3 +178,20 @@ def test_lease_key_signature_mismatch_is_invalid_lease_key_in_the_worker(
     assert "lease_key(n)" in str(failed.value)
     assert res.state == "FAILURE"
     assert cluster.effects_of_kind("start") == []
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("task", ["auto_kw_capped", "call_capped"])
+def test_per_call_max_retries_bounds_the_run_as_celery_does(cluster: Cluster, task: str) -> None:
+    """autoretry_for with retry_kwargs={"max_retries": 1}, and self.retry(max_retries=1):
+    the body runs twice, as in Celery, and the run ends failed with the body's error
+    (before: lease_max_attempts, 5 runs)."""
+    cluster.start("w1", conf={**FAST, "lease_max_attempts": 5})
+    res = sig(cluster, task).apply_async()
+    with pytest.raises((KeyError, ValueError), match="attempt 2"):
+        res.get(timeout=40)
+    row = cluster.store.get(res.id)
+    assert row is not None and (row.status, row.attempt) == ("failed", 2)
+    time.sleep(1.5)
+    assert [e.attempt for e in cluster.effects(res.id, "start")] == [1, 2]

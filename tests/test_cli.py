@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -180,6 +181,31 @@ def test_show_prints_every_column_and_time_left(cli: Cli, store: LeaseStore) -> 
     assert json.loads(data["payload"])["args"] == [7]
 
 
+def test_show_of_a_finished_run_shows_its_outcome_not_mid_way_progress(
+    cli: Cli, store: LeaseStore
+) -> None:
+    """A run whose body reported 37/50 and then succeeded shows ``succeeded`` as its
+    progress; a failed one where it stopped; a running one its progress."""
+    from celery_lease.store.records import Progress
+
+    for run_id in ("ok", "bad", "live"):
+        attempt = claim(store, run_id)
+        key = (run_id, f"host-{run_id}:4242:{run_id}secret", attempt)
+        store.heartbeat([key], {key: Progress(37, 50, "orders")})
+        if run_id == "ok":
+            store.complete(run_id, key[1], attempt)
+        elif run_id == "bad":
+            store.fail(run_id, key[1], attempt, error="x", failure_code="e", retry_in=None)
+
+    def progress(run_id: str) -> str:
+        line = next(li for li in cli.ok("show", run_id).splitlines() if li.startswith("progress"))
+        return line.split(None, 1)[1]
+
+    assert progress("ok") == "succeeded"
+    assert progress("bad") == "failed at 37/50 (74%)"
+    assert progress("live").startswith("37/50 (74%) orders  (written ")
+
+
 def test_show_unknown_run_is_one_line_error(cli: Cli, store: LeaseStore) -> None:
     """An unknown run id ends with one stderr line and exit status 1."""
     assert_one_line_error(cli("show", "no-such-run"), "no run with id 'no-such-run'")
@@ -270,6 +296,22 @@ def test_stats_counts_and_honest_gaps(cli: Cli, store: LeaseStore) -> None:
     assert "live leases" in text and "oldest running" in text and "not recorded" in text
 
 
+def test_stats_show_who_sweeps_and_which_beat_leads(cli: Cli, store: LeaseStore) -> None:
+    """`lease stats` names the worker leading the in-worker sweeper (and each beat's leader
+    lease), or says no worker has led it."""
+    assert "no worker has led it" in cli.ok("stats")
+    assert store.leaders.create("sweeper", "w1@host-a:4242:token.worker", 60_000)
+    assert store.leaders.create("beat:proj", "host-b:77:token", 60_000)
+    text = cli.ok("stats")
+    assert re.search(r"sweeper\s+w1@host-a:4242 since .* ago \(term 1\), renewed", text), text
+    assert re.search(r"beat:proj\s+host-b:77 since", text), text
+    data = json.loads(cli.ok("stats", "--json"))
+    assert [(lead["name"], lead["live"]) for lead in data["leaders"]] == [
+        ("beat:proj", True),
+        ("sweeper", True),
+    ]
+
+
 def test_unreachable_database_is_one_line_without_password(cli: Cli) -> None:
     """A database nobody listens on: one line, exit 1, no traceback, password hidden."""
     for command in (("runs",), ("show", "x"), ("stats",), ("migrate",)):
@@ -346,3 +388,94 @@ def test_sweep_and_stats_cover_every_lease_database(cli: Cli, store: LeaseStore)
         assert "last sweep" in cli.ok("stats")
     finally:
         task_store.dispose()
+
+
+def _ended_rows(store: LeaseStore, rows: list[dict[str, object]]) -> None:
+    """Insert finished runs as they stand after their history (test setup only)."""
+    from sqlalchemy import insert
+
+    from celery_lease.schema import runs
+
+    now = store.now_ms()
+    base = {"lease_ms": 30_000, "attempt": 1, "max_attempts": 1, "available_at": now,
+            "updated_at": now, "failure_code": "boom", "task_name": "cli_app.charge",
+            "status": "failed", "finished_at": now, "payload": PAYLOAD,
+            "payload_content_type": "application/json", "task_id": None}  # fmt: skip
+    with store.engine.begin() as conn:
+        conn.execute(
+            insert(runs),
+            [{**base, "created_at": now - i, **row} for i, row in enumerate(rows)],
+        )
+
+
+def _broker_messages(cli: Cli) -> int:
+    """Messages the filesystem broker holds (published, not consumed)."""
+    return sum(1 for p in cli.broker.iterdir() if p.is_file())
+
+
+def test_bulk_rerun_with_dry_run_and_progress(cli: Cli, store: LeaseStore) -> None:
+    """`lease rerun --task --status failed --since` reruns every failed run of the task that
+    ended within the window (230, with progress on stderr), each published once under a
+    new task id; --dry-run first says how many and which, changing nothing; runs without
+    a stored message, older ones, other tasks and other statuses are left alone."""
+    now = store.now_ms()
+    _ended_rows(
+        store,
+        [{"id": f"bulk-{i:03d}", "task_id": f"old-{i}"} for i in range(230)]
+        + [
+            {"id": "bare", "payload": None, "payload_content_type": None},
+            {"id": "old", "finished_at": now - 3 * 3_600_000},
+            {"id": "cancelled", "status": "cancelled"},
+            {"id": "other", "task_name": "cli_app.other"},
+        ],
+    )
+    dry = cli.ok("rerun", "--task", "cli_app.charge", "--status", "failed", "--since", "1h",
+                 "--dry-run")  # fmt: skip
+    assert dry.startswith(
+        "dry run: 231 failed runs of cli_app.charge that ended in the last 1h00m match; "
+        "230 keep a stored message and would be rerun, 1 has none and would be left alone "
+        "(newest first: bulk-000, bulk-001,"
+    ), dry
+    assert store.get("bulk-000").status == "failed"  # type: ignore[union-attr]
+    assert _broker_messages(cli) == 0
+    proc = cli("rerun", "--task", "cli_app.charge", "--status", "failed", "--since", "1h")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "230 failed runs of cli_app.charge that ended in the last 1h00m queued again with "
+        "fresh attempts"
+    ), proc.stdout
+    assert "1 left alone" in proc.stdout
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("rerun: ")]
+    assert progress == [
+        f"rerun: {n} of 231 failed runs of cli_app.charge handled" for n in (100, 200, 231)
+    ], proc.stderr
+    for i in (0, 117, 229):
+        row = store.get(f"bulk-{i:03d}")
+        assert row is not None and row.status == "queued" and row.task_id != f"old-{i}"
+    assert _broker_messages(cli) == 230
+    for left in ("bare", "old", "other"):
+        assert store.get(left).status == "failed"  # type: ignore[union-attr]
+    assert store.get("cancelled").status == "cancelled"  # type: ignore[union-attr]
+    again = cli.ok("rerun", "--task", "cli_app.charge", "--status", "cancelled")
+    assert again.startswith("1 cancelled run of cli_app.charge queued again"), again
+    none = cli.ok("rerun", "--task", "cli_app.charge", "--status", "cancelled", "--dry-run")
+    assert none == "dry run: no cancelled runs of cli_app.charge: nothing to rerun\n"
+
+
+def test_bulk_rerun_refuses_bad_input_with_one_line(cli: Cli, store: LeaseStore) -> None:
+    """Usage errors exit 2 with what is wrong: no status, a RUN_ID with --task, a status
+    other than cancelled or failed, a duration that is not one, one-run options."""
+    for args, needle in [
+        (("rerun",), "give a RUN_ID, or --task NAME --status cancelled|failed"),
+        (("rerun", "--task", "cli_app.charge"), "needs --status cancelled or --status failed"),
+        (("rerun", "--status", "failed"), "a bulk rerun needs --task NAME"),
+        (("rerun", "r1", "--task", "t", "--status", "failed"), "not both"),
+        (("rerun", "--task", "t", "--status", "succeeded"), "'succeeded' is not one of"),
+        (("rerun", "--task", "t", "--status", "failed", "--since", "soon"), "not a duration"),
+        (("rerun", "--task", "t", "--status", "failed", "--since", "0"), "more than zero"),
+        (("rerun", "--task", "t", "--status", "failed", "--force"), "apply to one RUN_ID"),
+    ]:
+        proc = cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert needle in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr

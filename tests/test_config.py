@@ -54,20 +54,25 @@ def test_invalid_value_names_the_key(key: str, value: Any) -> None:
     assert key in str(err.value)
 
 
-def test_heartbeat_must_leave_a_renewal_before_the_local_deadline() -> None:
-    """The heartbeat is bounded by the lease's local deadline (lease minus its safety
-    margin), not by the lease itself: L = 3 s refuses 2.8 s, in one line naming the key."""
-    with pytest.raises(ImproperlyConfigured) as err:
-        LeaseConfig.from_mapping({"lease_seconds": 3, "lease_heartbeat_interval": 2.8})
-    message = str(err.value)
-    assert "\n" not in message
-    assert message.startswith("lease_heartbeat_interval (2.8) must be shorter than 2.697s")
-    assert "safety margin" in message
+def test_heartbeat_must_leave_two_renewals_before_the_local_deadline() -> None:
+    """The heartbeat is bounded by half the lease's local deadline (lease minus its safety
+    margin), so one failed renewal never loses a lease: L = 3 s refuses 2.69 s (accepted
+    before, and then lost its lease) and 1.4 s, in one line naming the key; 1.3 s is kept."""
+    for interval in (2.69, 1.4):
+        with pytest.raises(ImproperlyConfigured) as err:
+            LeaseConfig.from_mapping({"lease_seconds": 3, "lease_heartbeat_interval": interval})
+        message = str(err.value)
+        assert "\n" not in message
+        assert message.startswith(
+            f"lease_heartbeat_interval ({interval}) must be at most 1.349s, half the local "
+            "deadline of a 3.0s lease"
+        )
+        assert "safety margin" in message
     assert (
         LeaseConfig.from_mapping(
-            {"lease_seconds": 3, "lease_heartbeat_interval": 2.6}
+            {"lease_seconds": 3, "lease_heartbeat_interval": 1.3}
         ).heartbeat_interval
-        == 2.6
+        == 1.3
     )
 
 
@@ -101,7 +106,10 @@ def test_task_options_override_app_settings(tmp_path: Any) -> None:
 
     config = charge.lease_config()
     assert config.lease_seconds == 6 and config.heartbeat_interval == 2
-    assert run_id_of(charge, charge.request, (7,), {}) == "tests.test_config.charge:o-7"
+    assert (
+        run_id_of(charge.name, charge.lease_config(), charge.request, (7,), {})
+        == "tests.test_config.charge:o-7"
+    )
     assert LeaseConfig.from_app(app).lease_seconds == 60
 
 
@@ -252,3 +260,18 @@ def test_celery_command_names_the_app_outside_the_command_line() -> None:
 
     assert celery_command(Celery("proj", set_as_current=False)) == "celery -A proj"
     assert celery_command(Celery(set_as_current=False)) == "celery -A <app>"
+
+
+def test_worker_sweeper_setting_is_a_boolean_checked_at_start() -> None:
+    """``lease_worker_sweeper`` is a known app setting: True or False (default True); any
+    other value is refused at worker start, naming the key."""
+    from celery_lease.config import worker_sweeper
+
+    app = Celery("sweeperflag", set_as_current=False, broker="memory://")
+    assert worker_sweeper(app.conf) is True
+    app.conf.lease_worker_sweeper = False
+    check_app_settings(app)
+    assert worker_sweeper(app.conf) is False
+    app.conf.lease_worker_sweeper = "no"
+    with pytest.raises(ImproperlyConfigured, match="lease_worker_sweeper must be True or False"):
+        check_app_settings(app)

@@ -335,6 +335,38 @@ def test_fenced_atomic_rolls_back_both_when_the_block_raises(
     assert _orders(alias) == []
 
 
+def test_fenced_atomic_sends_followups_only_once_django_committed(
+    alias: str, lease_store: LeaseStore
+) -> None:
+    """send= records the follow-ups in Django's transaction: a block that raises sends
+    nothing; a committed one is published under the run's derived task id."""
+    from celery import Celery
+
+    from celery_lease.followups import Followups
+    from celery_lease.runtime import app_runtime
+    from tests.django_site.orders.models import Order
+
+    app = Celery("django_followups", set_as_current=False)
+    app.conf.update(broker_url="memory://", task_default_queue=f"q{uuid.uuid4().hex[:8]}")
+    mail = app.signature("orders.mail", args=("n1",))
+    lease = held(lease_store, "r1", 10.0, followups=Followups(app, lease_store))
+    try:
+        with pytest.raises(RuntimeError), fenced_atomic(lease, using=alias, send=[mail]):
+            Order.objects.using(alias).create(number="n0", attempt=lease.attempt)
+            raise RuntimeError("boom")
+        with fenced_atomic(lease, using=alias, send=[mail]):
+            Order.objects.using(alias).create(number="n1", attempt=lease.attempt)
+        with app.connection_for_read() as conn:
+            queue = conn.SimpleQueue(app.conf.task_default_queue)
+            message = queue.get(timeout=10)
+            assert message.headers["id"] == "r1:followup:1.0"  # the first was never handed over
+            assert queue.qsize() == 0
+            queue.close()
+        assert _orders(alias) == [("n1", 1)]
+    finally:
+        app_runtime(app).reset()
+
+
 def test_fenced_atomic_after_a_takeover_writes_nothing(alias: str, lease_store: LeaseStore) -> None:
     """A stale owner's block is refused by the fence: LeaseLost, and the row rolls back."""
     from tests.django_site.orders.models import Order

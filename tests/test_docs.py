@@ -31,32 +31,42 @@ def _strings(node: ast.expr) -> set[str] | None:
 
 def emitted_events() -> tuple[dict[str, set[str]], list[str]]:
     """``lease_event`` names in celery_lease/ (with the files emitting them), and the
-    places whose name is not a literal."""
+    places whose name is not a member of ``events.Event`` named in the code.
+
+    Every event is declared once in ``events.Event``; what is emitted is each member the
+    package names (``Event.CLAIMED``) outside its declaration, plus the typed lease
+    transitions (``events._EVENT_NAMES``)."""
     found: dict[str, set[str]] = {}
     dynamic: list[str] = []
 
-    def add(names: set[str] | None, path: Path, node: ast.AST) -> None:
+    def add(node: ast.AST, path: Path) -> None:
         where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}"
-        if names is None:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "Event"
+        ):
+            found.setdefault(events.Event[node.attr].value, set()).add(where)
+        else:
             dynamic.append(where)
-        for name in names or ():
-            found.setdefault(name, set()).add(where)
 
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "events.py":  # the generic emitters; their names come from callers
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and node.args:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and node.args and path.name != "events.py":
                 func = node.func
                 name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-                if name == "emit":
-                    add(_strings(node.args[0]), path, node)
-            elif isinstance(node, ast.Dict):
-                for key, value in zip(node.keys, node.values, strict=True):
-                    if isinstance(key, ast.Constant) and key.value == "lease_event":
-                        add(_strings(value), path, node)
+                if name == "emit" and not isinstance(node.args[0], (ast.Name, ast.IfExp)):
+                    add(node.args[0], path)
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "Event"
+                and path.name != "events.py"
+            ):
+                add(node, path)
     for state, name in events._EVENT_NAMES.items():  # typed lease transitions
-        found.setdefault(name, set()).add(f"events.LeaseState.{state.name}")
+        found.setdefault(name.value, set()).add(f"events.LeaseState.{state.name}")
     return found, dynamic
 
 
@@ -75,7 +85,8 @@ def documented_events() -> set[str]:
 @pytest.mark.timeout(30)
 def test_every_emitted_lease_event_is_in_the_operations_table() -> None:
     """Each ``lease_event`` the package logs has a row in docs/operations.md, each row
-    names an event the package logs, and no event name is computed at run time."""
+    names an event the package logs, every declared event is logged somewhere, and no
+    event name is computed at run time."""
     found, dynamic = emitted_events()
     assert not dynamic, f"lease_event names must be literals, so the docs can list them: {dynamic}"
     assert len(found) > 20, found  # the scan itself works
@@ -83,6 +94,8 @@ def test_every_emitted_lease_event_is_in_the_operations_table() -> None:
     missing = {name: sorted(where) for name, where in found.items() if name not in documented}
     assert not missing, f"add these lease_event rows to docs/operations.md: {missing}"
     assert documented <= set(found), f"documented but never emitted: {documented - set(found)}"
+    declared = {event.value for event in events.Event}
+    assert declared == set(found), f"declared but never emitted: {declared - set(found)}"
 
 
 # -- the CLI commands and the settings the docs list --------------------------------

@@ -75,11 +75,23 @@ def check_summary(out: str) -> None:
     assert summary_value(out, "stale completions refused") >= 1
     assert summary_value(out, "retried (attempt > 1)") >= 1
     assert "refused: automation_run_lease_lost: run capture:ord-" in out
-    assert "SIGKILL alpha" in out
+    assert re.search(r"SIGKILL alpha .* between the gateway's reply and the commit of", out)
+    # The killed capture's next attempt sent the same key: the gateway charged once.
+    assert re.search(
+        r"capture:ord-\w+-\d+: attempt \d+ sent the gateway the same key "
+        r"\(capture:ord-\w+-\d+:capture:0\): answered with the first charge; charged once",
+        out,
+    )
+    assert summary_value(out, "gateway charges") == 30
+    assert summary_value(out, "gateway calls answered by key") >= 1
+    assert summary_value(out, "orders charged twice") == 0
+    assert summary_value(out, "receipts sent") == 30
+    assert summary_value(out, "receipts sent twice") == 0
     assert summary_value(out, "orders exported") == 300
     assert summary_value(out, "orders exported twice") == 0
     assert summary_value(out, "export attempts") >= 2
-    assert re.search(r"SIGKILL charlie .* mid-export .*: checkpoint at (\d+) of 300", out)
+    # The export's run id is its key, whole: "export:hist-<batch>", no dangling separator.
+    assert re.search(r"mid-export of export:hist-[0-9a-f]+: checkpoint at (\d+) of 300", out)
     assert re.search(r"resumed by delta on attempt \d+ at order hist-\w+-\d+ \(checkpoint", out)
     assert "invariants hold" in out
 

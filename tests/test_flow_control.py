@@ -46,7 +46,7 @@ def lease_cli(cluster: Cluster, *args: str) -> str:
 
 
 def held(store: LeaseStore, reason: str = HELD_PAUSED) -> int:
-    counts = store.flow_counts()
+    counts = store.flow.flow_counts()
     return sum((counts.paused if reason == HELD_PAUSED else counts.deferred).values())
 
 
@@ -59,7 +59,7 @@ def starts(cluster: Cluster, kind: str = "start") -> list[float]:
 
 def test_paused_claim_uses_no_attempt_and_other_tasks_run(store: LeaseStore) -> None:
     """A paused task's claim changes nothing (no row, no attempt); other tasks claim."""
-    store.pause("t.paused", reason="maintenance")
+    store.flow.pause("t.paused", reason="maintenance")
     refused = store.claim("r1", "o", task_name="t.paused", lease_ms=30_000, max_attempts=3)
     assert (refused.outcome, refused.reason) == ("paused", "maintenance")
     assert store.get("r1") is None
@@ -67,12 +67,12 @@ def test_paused_claim_uses_no_attempt_and_other_tasks_run(store: LeaseStore) -> 
     assert other.outcome == "claimed"
     # A run that exists (retrying, available) is not taken over either.
     store.fail("r2", "o", 1, error="x", failure_code="x", retry_in=0.0)
-    store.pause("t.other")
+    store.flow.pause("t.other")
     again = store.claim("r2", "o2", task_name="t.other", lease_ms=30_000, max_attempts=3)
     assert again.outcome == "paused"
     row = store.get("r2")
     assert row is not None and row.attempt == 1 and row.status == "retrying"
-    assert store.resume("t.other") and not store.resume("t.other")
+    assert store.flow.resume("t.other") and not store.flow.resume("t.other")
     assert (
         store.claim("r2", "o2", task_name="t.other", lease_ms=30_000, max_attempts=3).attempt == 2
     )
@@ -80,7 +80,7 @@ def test_paused_claim_uses_no_attempt_and_other_tasks_run(store: LeaseStore) -> 
 
 def test_key_pause_holds_only_that_concurrency_key(store: LeaseStore) -> None:
     """A pause with a key refuses runs of that concurrency key only."""
-    store.pause("t.k", key="acct-1")
+    store.flow.pause("t.k", key="acct-1")
 
     def outcome(run_id: str, key: str | None) -> str:
         found = store.claim(
@@ -91,16 +91,16 @@ def test_key_pause_holds_only_that_concurrency_key(store: LeaseStore) -> None:
     assert outcome("a", "acct-1") == "paused"
     assert outcome("b", "acct-2") == "claimed"
     assert outcome("c", None) == "claimed"
-    [pause] = store.list_pauses()
+    [pause] = store.flow.list_pauses()
     assert (pause.task_name, pause.key, pause.waiting) == ("t.k", "acct-1", 0)
 
 
 def test_held_deliveries_come_back_in_arrival_order_once_resumed(store: LeaseStore) -> None:
     """Paused deliveries are kept while paused and taken in arrival order after resume,
     each by one taker only."""
-    store.pause("t.h")
+    store.flow.pause("t.h")
     for n in range(5):
-        kept = store.hold(
+        kept = store.flow.hold(
             HELD_PAUSED,
             task_name="t.h",
             flow_key=None,
@@ -110,14 +110,14 @@ def test_held_deliveries_come_back_in_arrival_order_once_resumed(store: LeaseSto
             payload_content_type="application/json",
         )
         assert kept
-    assert store.take_held(horizon_ms=0) == []
-    assert store.list_pauses()[0].waiting == 5
-    store.resume("t.h")
-    taken = store.take_held(horizon_ms=0, task_name="t.h")
+    assert store.flow.take_held(horizon_ms=0) == []
+    assert store.flow.list_pauses()[0].waiting == 5
+    store.flow.resume("t.h")
+    taken = store.flow.take_held(horizon_ms=0, task_name="t.h")
     assert [row.run_id for row in taken] == [f"r{n}" for n in range(5)]
-    assert store.take_held(horizon_ms=0) == []  # taken: nobody else publishes them
+    assert store.flow.take_held(horizon_ms=0) == []  # taken: nobody else publishes them
     # Not paused any more: a late hold is refused, the caller sends the delivery on.
-    late = store.hold(
+    late = store.flow.hold(
         HELD_PAUSED,
         task_name="t.h",
         flow_key=None,
@@ -131,12 +131,12 @@ def test_held_deliveries_come_back_in_arrival_order_once_resumed(store: LeaseSto
 
 def test_rate_reservations_space_slots_by_the_period_with_a_burst(store: LeaseStore) -> None:
     """GCRA with reservation: ``burst`` slots now, then one per period, each caller its own."""
-    slots = [store.reserve_rate("t.r", "", 100, 2) for _ in range(5)]
+    slots = [store.flow.reserve_rate("t.r", "", 100, 2) for _ in range(5)]
     waits, dues = [w for w, _ in slots], [d for _, d in slots]
     assert waits[:2] == [0, 0] and waits[2] > 0, slots
     assert [b - a for a, b in itertools.pairwise(dues[2:])] == [100, 100], slots
     # Another key has a bucket of its own.
-    assert store.reserve_rate("t.r", "other", 100, 1)[0] == 0
+    assert store.flow.reserve_rate("t.r", "other", 100, 1)[0] == 0
 
 
 def test_rate_settings_are_validated_with_one_line_errors() -> None:
@@ -197,7 +197,7 @@ def test_statements_per_task_unlimited_two_limited_three(app: Celery) -> None:
 
     limited.lease_rate_limit = "1000/s"
     store = store_for(app)
-    store.pause("flowproc.other")  # a pause of another task changes nothing
+    store.flow.pause("flowproc.other")  # a pause of another task changes nothing
     worker = start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10)
     with worker, driver_statements(store.engines) as seen:
         assert free.delay(1).get(timeout=20) == 1
@@ -269,9 +269,9 @@ def test_sweep_publishes_what_a_dead_resume_left(app: Celery, tmp_path: Path) ->
         return None
 
     store = store_for(app)
-    store.pause("flowproc.swept")
+    store.flow.pause("flowproc.swept")
     data = b'{"args": [], "kwargs": {}, "options": {}}'
-    store.hold(
+    store.flow.hold(
         HELD_PAUSED,
         task_name="flowproc.swept",
         flow_key=None,
@@ -280,7 +280,7 @@ def test_sweep_publishes_what_a_dead_resume_left(app: Celery, tmp_path: Path) ->
         payload=data,
         payload_content_type="application/json",
     )
-    store.resume("flowproc.swept")  # a resume that died before publishing
+    store.flow.resume("flowproc.swept")  # a resume that died before publishing
     assert release(app, store) == ["x1"]
     assert held(store) == 0
     assert FlowPump(app, store).tick() is None  # nothing left: the pump would stop
@@ -315,6 +315,29 @@ def test_pause_stops_new_bodies_and_resume_runs_each_held_delivery_once(
         assert len(cluster.effects(run_id, "commit")) == 1
         assert cluster.store.get(run_id).attempt == 1  # type: ignore[union-attr]
     assert held(cluster.store) == 0 and "nothing is paused" in lease_cli(cluster, "paused")
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(150)
+def test_pause_cancel_running_says_how_many_runs_it_cancelled(cluster: Cluster) -> None:
+    """`lease pause --cancel-running` prints how many running runs it asked to stop (the
+    worker's two running bodies; a run of another task is not counted) and each ends
+    cancelled within a heartbeat; a second pause with nothing running says so."""
+    cluster.start("w1", concurrency=3, CL_LEASE_SECONDS="3")
+    ids = [cluster.send("watch", 30.0) for _ in range(2)]
+    other = cluster.send("work", 30.0)
+    wait_for(
+        lambda: all(cluster.status(i) == "running" for i in [*ids, other]), 30, what="3 bodies"
+    )
+    out = lease_cli(cluster, "pause", "workerapp.watch", "--cancel-running", "--reason", "INC-44")
+    assert "paused workerapp.watch" in out
+    assert "cancel requested for 2 running runs" in out
+    wait_for(lambda: all(cluster.status(i) == "cancelled" for i in ids), 30, what="cancelled")
+    assert cluster.status(other) == "running"
+    again = lease_cli(cluster, "pause", "workerapp.watch", "--cancel-running")
+    assert "was paused already" in again and "no running run to cancel" in again
+    lease_cli(cluster, "cancel", other)
+    lease_cli(cluster, "resume", "workerapp.watch")
 
 
 @TWO_SETUPS
@@ -364,6 +387,43 @@ def test_each_rate_key_gets_its_own_rate(cluster: Cluster) -> None:
         at = starts(cluster, f"start-{account}")
         assert len(at) == 12
         rate = (len(at) - 1) / (at[-1] - at[0])
-        assert 1.2 <= rate <= 2.2, (account, rate)  # a loaded machine may fall behind
+        # Never above 2/s; a loaded machine may fall behind it (1.16/s seen in CI).
+        assert 0.9 <= rate <= 2.2, (account, rate)
     both = starts(cluster, "start-a") + starts(cluster, "start-b")
-    assert (len(both) - 1) / (max(both) - min(both)) > 2.5  # not one shared 2/s bucket
+    # Together above what one shared 2/s bucket allows (at most 2.2 with our tolerance).
+    assert (len(both) - 1) / (max(both) - min(both)) > 2.2
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(150)
+def test_each_held_deferred_or_busy_delivery_logs_one_info_line_saying_when_it_runs(
+    cluster: Cluster,
+) -> None:
+    """Besides Celery's "Task ... ignored", each delivery held back logs one INFO line of
+    ours naming it, what happened and when it runs: a paused task's (once resumed), a
+    rate-limited one's (in how long) and a busy duplicate's (sent again in how long)."""
+    worker = cluster.start("w1", concurrency=2)
+    lease_cli(cluster, "pause", "workerapp.work", "--reason", "INC-44")
+    paused = [cluster.send("work", 0.0) for _ in range(2)]
+    wait_for(lambda: held(cluster.store) == 2, 40, what="2 held deliveries")
+    rated = [cluster.send("rate5", n) for n in range(6)]
+    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in rated), 60, what="rated runs")
+    ghost = cluster.store.claim(
+        "busy-info", "ghost", task_name="workerapp.spin", lease_ms=60_000, max_attempts=5
+    )
+    assert ghost.outcome == "claimed"
+    cluster.send("spin", 0.0, task_id="busy-info")
+    wait_for(lambda: "of busy-info busy" in worker.log(), 30, what="the busy line")
+    log = worker.log()
+    for run_id in paused:
+        lines = [line for line in log.splitlines() if f"of {run_id} held" in line]
+        assert len(lines) == 1, lines
+        assert "INFO" in lines[0] and "task paused (INC-44); it runs once resumed" in lines[0]
+    deferred = [line for line in log.splitlines() if " deferred: rate limit 5/s" in line]
+    assert deferred and all("INFO" in line and "; it runs in " in line for line in deferred)
+    assert {line.split(" of ")[1].split()[0] for line in deferred} <= set(rated)
+    (busy,) = [line for line in log.splitlines() if "of busy-info busy" in line]
+    assert "INFO" in busy and "held by another worker; sent again, it runs in" in busy
+    cluster.store.expire("busy-info")
+    lease_cli(cluster, "resume", "workerapp.work")
+    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in paused), 60, what="held runs")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,10 +20,10 @@ from celery_lease import Lease, LeaseError, LeaseLost, LeaseStore, current_lease
 from celery_lease.events import EventBus, LeaseState, Transition
 from celery_lease.lease.heartbeat import Heartbeat
 from celery_lease.lease.interrupt import LeaseInterrupt
-from celery_lease.lease.lease import bind_current, current_or_none, safety_margin
+from celery_lease.lease.lease import Standalone, bind_current, current_or_none, safety_margin
 from celery_lease.lease.watchdog import Watchdog
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
-from tests.helpers import FakeClock, held, wait_for
+from tests.helpers import REPO, FakeClock, held, wait_for
 
 
 @pytest.fixture
@@ -60,7 +63,7 @@ def test_deadline_starts_before_the_claim_was_sent(sqlite_store: LeaseStore) -> 
     lease = held(sqlite_store, "r1", 2.0, clock=clock)
     clock.now += 5.0  # constructed long after the claim was sent
     late = Lease(
-        sqlite_store,
+        Standalone(sqlite_store),
         "r1",
         lease.owner,
         1,
@@ -125,7 +128,7 @@ def test_watchdog_sleeps_through_a_steady_flow_of_tasks(sqlite_store: LeaseStore
 
     dog = Counting()
     leases = [
-        Lease(sqlite_store, f"r{i}", "o", 1, lease_seconds=30.0, heartbeat_interval=7.5)
+        Lease(Standalone(sqlite_store), f"r{i}", "o", 1, lease_seconds=30.0, heartbeat_interval=7.5)
         for i in range(300)
     ]
     for lease in leases:  # one short task after another
@@ -285,6 +288,78 @@ def test_uninterruptible_defers_the_interrupt_until_the_block_ends(
     assert marks == ["block done"]
 
 
+@pytest.mark.timeout(30)
+def test_interrupt_waits_until_the_body_is_back_in_its_own_code(
+    sqlite_store: LeaseStore,
+) -> None:
+    """A loss seen while the body waits inside the standard library's queue (a lock and a
+    condition shared with other threads) interrupts it only once it is back in its own
+    code: the queue's wait ends normally first."""
+    import queue
+
+    lease = held(sqlite_store, "r1", 30.0, interrupt=True, watchdog=Watchdog())
+    marks: list[str] = []
+
+    def body() -> None:
+        threading.Timer(0.1, lease.mark_lost, args=("test",)).start()
+        try:
+            queue.Queue().get(timeout=0.6)
+        except queue.Empty:
+            marks.append("get returned")
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            pass
+        marks.append("not interrupted")
+
+    with pytest.raises(LeaseInterrupt):
+        lease.run_interruptible(body)
+    assert marks == ["get returned"]
+
+
+@pytest.mark.timeout(180)
+def test_pooled_engine_survives_a_thousand_interrupted_bodies(
+    sqlite_store: LeaseStore, pg_url: str
+) -> None:
+    """1,000 bodies that use a pooled engine in a loop, each interrupted by a lease loss
+    at a random moment, leave no connection checked out (the interrupt is raised only at
+    the body's own code, never inside SQLAlchemy's pool or the driver)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(pg_url, pool_size=2, max_overflow=0, pool_timeout=5)
+    dog = Watchdog()
+    rng = random.Random(29)
+    failures: list[str] = []
+
+    def body() -> None:
+        give_up = time.monotonic() + 5.0
+        while time.monotonic() < give_up:
+            with engine.connect() as conn:
+                conn.execute(text("select 1")).scalar()
+            for _ in range(5):  # check-outs and check-ins: the pool's own code
+                with engine.connect():
+                    pass
+
+    try:
+        for i in range(1000):
+            lease = held(sqlite_store, f"r{i}", 30.0, interrupt=True, watchdog=dog)
+            loser = threading.Timer(rng.uniform(0.0, 0.004), lease.mark_lost, args=("test",))
+            loser.start()
+            try:
+                lease.run_interruptible(body)
+                failures.append(f"body {i}: never interrupted (the interrupt was swallowed)")
+            except LeaseInterrupt:
+                pass
+            except Exception as exc:  # a broken pool or connection: the defect
+                failures.append(f"body {i}: {type(exc).__name__}: {exc}"[:200])
+            loser.join()
+            if len(failures) >= 3:
+                break
+        assert failures == []
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
+
+
 def test_async_exc_count_is_checked(
     sqlite_store: LeaseStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -309,6 +384,77 @@ def test_async_exc_count_is_checked(
     with caplog.at_level(logging.WARNING, logger="celery_lease.lease.interrupt"):
         gone.mark_lost("test")
     assert gone._interrupter.thread_id is None and "thread is gone" in caplog.text
+
+
+#: Two threads interrupting bodies (a worker's heartbeat and its watchdog) while the cyclic
+#: garbage collector runs a finalizer that hands the GIL to the other one.
+GC_WHILE_INTERRUPTING = """
+import gc, threading, time
+from celery_lease.lease.interrupt import Interrupter, LeaseInterrupt
+
+stop = threading.Event()
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        if not stop.is_set():
+            Cycle()  # always more garbage in a cycle
+            time.sleep(0.002)  # the GIL goes to another thread
+
+def body(it, armed):
+    it.arm()
+    armed.set()
+    while not stop.is_set():
+        try:
+            time.sleep(0.001)
+        except LeaseInterrupt:
+            pass
+    it.disarm()
+
+def deliver(it):
+    while not stop.is_set():
+        if it.owe():
+            it.deliver(True)
+
+interrupters = [Interrupter(f"r{i}", time.monotonic) for i in range(2)]
+for it in interrupters:
+    armed = threading.Event()
+    threading.Thread(target=body, args=(it, armed), daemon=True).start()
+    armed.wait()
+threads = [threading.Thread(target=deliver, args=(it,), daemon=True) for it in interrupters]
+for thread in threads:
+    thread.start()
+Cycle()
+gc.set_threshold(1)  # a collection at nearly every allocation
+time.sleep(3.0)
+stop.set()
+gc.set_threshold(700)
+for thread in threads:
+    thread.join(5)
+print("ended" if not any(thread.is_alive() for thread in threads) else "stuck")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_interrupting_while_the_gc_runs_finalizers_never_freezes_the_process() -> None:
+    """Interrupts sent from two threads while the garbage collector runs finalizers: the
+    process goes on (before: on CPython 3.11 a collection inside ``sys._current_frames()``
+    ran a finalizer holding the runtime's thread-list lock, the other thread took the GIL
+    and waited for that lock, and every thread froze, as a resumed 20-thread worker did in
+    the SIGSTOP chaos scenario; CPython issue gh-106883). Hung 3 of 3 runs before."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", GC_WHILE_INTERRUPTING],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=str(REPO),
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process froze while interrupting bodies during a collection")
+    assert done.stdout.strip() == "ended", done.stderr[-2000:]
 
 
 def test_interrupt_is_off_with_a_warning_outside_cpython(

@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from celery_lease import Lease, LeasedTask, LeaseLost, install, testing
 from celery_lease import metrics as lease_metrics
-from celery_lease.events import LeaseState, Transition
+from celery_lease.events import Event, LeaseState, Transition
+from celery_lease.lease.lease import Standalone
 from celery_lease.runtime import app_runtime, store_for
-from tests.helpers import REPO
+from tests.helpers import REPO, wait_for
 
 
 @pytest.fixture
@@ -47,20 +48,20 @@ def test_events_update_counters(app: Celery, registry: CollectorRegistry) -> Non
     held, completing = LeaseState.HELD, LeaseState.COMPLETING
     bus = app_runtime(app).events
     emit, publish = bus.emit, bus.publish
-    emit("claimed", "r1", "x", attempt=1)
-    emit("busy", "r1", "x", retry_in=1.0, policy="retry")
+    emit(Event.CLAIMED, "r1", "x", attempt=1)
+    emit(Event.BUSY, "r1", "x", retry_in=1.0, policy="retry")
     publish(Transition("r1", "A", 1, held, completing))
     publish(Transition("r1", "A", 1, completing, LeaseState.COMPLETED))
-    emit("retrying", "r2", "x", attempt=1)
-    emit("failed", "r2", "x", attempt=2)
+    emit(Event.RETRYING, "r2", "x", attempt=1)
+    emit(Event.FAILED, "r2", "x", attempt=2)
     publish(Transition("r3", "A", 1, held, LeaseState.CANCEL_REQUESTED))
     publish(Transition("r3", "A", 1, LeaseState.CANCEL_REQUESTED, LeaseState.CANCELLED))
-    emit("completed", "r4", "a string is not a transition", attempt=1)
-    emit("duplicate_dropped", "r1", "x", status="succeeded")
-    emit("claim_error", "r4", "x")
-    emit("swept", "r5", "x", action="expired")
-    emit("swept", "r6", "x", action="failed")
-    emit("heartbeat", None, "x", leases=3, seconds=0.004)
+    emit(Event.COMPLETED, "r4", "a string is not a transition", attempt=1)
+    emit(Event.DUPLICATE_DROPPED, "r1", "x", status="succeeded")
+    emit(Event.CLAIM_ERROR, "r4", "x")
+    emit(Event.SWEPT, "r5", "x", action="expired")
+    emit(Event.SWEPT, "r6", "x", action="failed")
+    emit(Event.HEARTBEAT, None, "x", leases=3, seconds=0.004)
     assert value(registry, "celery_lease_claims_total") == 1
     assert value(registry, "celery_lease_busy_total") == 1
     assert value(registry, "celery_lease_completed_total") == 1
@@ -84,13 +85,12 @@ def test_lease_lost_counted_once_per_attempt(app: Celery, registry: CollectorReg
     for attempt in (1, 2):
         assert claim.attempt == attempt
         lease = Lease(
-            store,
+            Standalone(store, events=app_runtime(app).events),
             "r1",
             claim.owner,
             attempt,
             lease_seconds=30,
             heartbeat_interval=10,
-            events=app_runtime(app).events,
         )
         claim = testing.steal_lease(store, "r1")
         lease.refused("heartbeat refused")
@@ -167,13 +167,13 @@ def test_metrics_count_only_their_apps_events(app: Celery, registry: CollectorRe
     """Listeners are per app: another app's events are not counted, and reset() drops
     the app's listeners (no process-wide list keeps them)."""
     other = Celery("metrics-other", set_as_current=False)
-    app_runtime(other).events.emit("claimed", "r1", "x", attempt=1)
+    app_runtime(other).events.emit(Event.CLAIMED, "r1", "x", attempt=1)
     assert value(registry, "celery_lease_claims_total") == 0
-    app_runtime(app).events.emit("claimed", "r1", "x", attempt=1)
+    app_runtime(app).events.emit(Event.CLAIMED, "r1", "x", attempt=1)
     assert value(registry, "celery_lease_claims_total") == 1
     app_runtime(app).reset()
     assert app_runtime(app).metrics is None
-    app_runtime(app).events.emit("claimed", "r2", "x", attempt=1)
+    app_runtime(app).events.emit(Event.CLAIMED, "r2", "x", attempt=1)
     assert value(registry, "celery_lease_claims_total") == 1
 
 
@@ -263,3 +263,55 @@ def test_checkpoints_and_progress_are_exported(app: Celery, registry: CollectorR
     assert value(registry, "celery_lease_checkpoints_total", fenced="true") == 1
     assert value(registry, "celery_lease_progress_writes_total") == 1
     assert value(registry, "celery_lease_progress_ratio", task="metrics.resumable") == 0.25
+
+
+def test_leader_gauge_follows_the_sweepers_lead(app: Celery, registry: CollectorRegistry) -> None:
+    """The in-worker sweeper's lead shows as celery_lease_leader{role="sweeper"}: 1 once
+    this process takes it and its sweep sets the last-sweep time, 0 once it resigns."""
+    import time
+
+    from celery_lease.runtime import app_config
+    from celery_lease.worker_sweeper import WorkerSweeper
+
+    sweeper = WorkerSweeper(app, app_config(app), hostname="w1@test")
+    database = sweeper.database
+    name = "celery_lease_leader"
+    assert value(registry, name, role="sweeper", database=database) == 0.0
+    sweeper.leadership.step()
+    assert value(registry, name, role="sweeper", database=database) == 1.0
+    before = time.time()
+    assert sweeper.sweep_once() is not None
+    swept = value(registry, "celery_lease_last_sweep_timestamp_seconds", database=database)
+    assert before - 1 <= swept <= time.time() + 1
+    sweeper.stop()
+    assert value(registry, name, role="sweeper", database=database) == 0.0
+
+
+def test_followups_are_counted_by_outcome(app: Celery, registry: CollectorRegistry) -> None:
+    """A follow-up published after its commit counts ``sent``; the sweeper's, ``swept``."""
+    from celery_lease.followups import send
+    from celery_lease.store import OutboxRecord
+
+    @app.task(shared=False, name="metrics.mail")
+    def mail(n: int) -> int:
+        return n
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="metrics.pay")
+    def pay(self: LeasedTask) -> str:
+        with self.lease.transaction() as conn:
+            self.lease.fence(conn, complete=True, send=[mail.s(1)])
+        return "ok"
+
+    pay.delay()
+    wait_for(
+        lambda: value(registry, "celery_lease_followups_total", outcome="sent") == 1,
+        10,
+        what="the follow-up to be sent",
+    )
+    body = b'{"task": "metrics.mail", "args": [2], "kwargs": {}, "options": {}}'
+    row = OutboxRecord("r:followup:1.0", "r", "metrics.mail", body, "application/json", 0)
+    send(app, store_for(app), [row], app_runtime(app).events, swept=True)
+    assert value(registry, "celery_lease_followups_total", outcome="swept") == 1
+    refused = OutboxRecord("r:followup:1.1", "r", "metrics.mail", b"x", "application/x-yaml", 0)
+    send(app, store_for(app), [refused], app_runtime(app).events, swept=True)
+    assert value(registry, "celery_lease_followups_total", outcome="dropped") == 1

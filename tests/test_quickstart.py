@@ -1,4 +1,4 @@
-"""docs/quickstart.md, run as written: its files, its commands, a real worker and beat.
+"""docs/quickstart.md, run as written: its files, its commands, real workers and no beat.
 
 The page's code blocks are extracted and executed in a scratch directory, and the log
 lines it quotes are checked against the worker's log, so the page cannot rot.
@@ -19,19 +19,19 @@ PAGE = Page("quickstart.md", after="## A leased task")
 
 
 @pytest.mark.timeout(150)
-def test_quickstart_runs_as_written_and_beat_recovers_a_killed_run(tmp_path: Path) -> None:
+def test_quickstart_runs_as_written_and_a_worker_recovers_a_killed_run(tmp_path: Path) -> None:
     """The quickstart's tasks.py, commands and Python snippet work as written: the run
     succeeds once, a second enqueue is dropped, `lease show/runs` and the snippet read it,
-    and after kill -9 of the worker mid-run, beat (its own process) has the sweeper
-    re-enqueue the run, which a new worker runs as attempt 2."""
+    and after kill -9 of the worker mid-run (it was also the one sweeping), the new worker
+    takes over the sweeper and re-enqueues the run, which it runs as attempt 2. No beat
+    runs: the page has none."""
     files = PAGE.files()
     snippets = [code for name, code in files.items() if name != "tasks.py"]
     assert snippets and all("from tasks import app" in code for code in snippets)
     write_files({"tasks.py": files["tasks.py"]}, tmp_path)
     cmds = PAGE.commands()
     (worker_cmd,) = [c for c in cmds if c[:4] == ["celery", "-A", "tasks", "worker"]]
-    (beat_cmd,) = [c for c in cmds if c[:4] == ["celery", "-A", "tasks", "beat"]]
-    assert "-B" not in worker_cmd  # beat runs on its own: a kill -9 of the worker spares it
+    assert not [c for c in cmds if "beat" in c or "-B" in c]  # recovery needs no beat
     (enqueue,) = [c for c in cmds if c[0] == "python"]
     cli = [c for c in cmds if c[:4] == ["celery", "-A", "tasks", "lease"]]
     assert len(cli) == 2, cmds
@@ -46,7 +46,6 @@ def test_quickstart_runs_as_written_and_beat_recovers_a_killed_run(tmp_path: Pat
     log_lines = PAGE.quoted("run capture:42")
     assert len(log_lines) >= 3, log_lines  # claimed, completed, dropped
     (reenqueued,) = PAGE.quoted("run capture:43")
-    beat = start("beat", beat_cmd, ready=False)
     worker = start("first", worker_cmd)
     try:
         run(argv(enqueue), tmp_path, env)
@@ -61,7 +60,7 @@ def test_quickstart_runs_as_written_and_beat_recovers_a_killed_run(tmp_path: Pat
         for code in snippets:
             assert run([sys.executable, "-c", code], tmp_path, env).startswith("succeeded 1 ")
 
-        # kill -9 mid-run: the run stays `running` until beat's sweeper re-enqueues it.
+        # kill -9 mid-run: the run stays `running` until the new worker's sweep re-enqueues it.
         run(argv([*enqueue[:-1], enqueue[-1].replace("(42)", "(43)")]), tmp_path, env)
         wait_for(lambda: "run capture:43: claimed attempt 1" in worker.log(), 30)
         worker.kill9()
@@ -71,7 +70,6 @@ def test_quickstart_runs_as_written_and_beat_recovers_a_killed_run(tmp_path: Pat
         assert reenqueued in worker.log()
     finally:
         worker.stop()
-        beat.stop()
     engine = create_engine(f"sqlite:///{tmp_path / 'celery-lease.sqlite3'}")
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT order_id, attempt FROM captures ORDER BY order_id"))

@@ -143,7 +143,7 @@ def test_kill9_run_on_a_task_database_recovered_by_sweeper(cluster: Cluster) -> 
         assert cluster.store.get(run_id) is None  # never in the app's database
         assert len(cluster.effects(run_id, "commit")) == 1
         for store in (cluster.store, task_store):
-            last = store.last_sweep()
+            last = store.reads.last_sweep()
             assert last is not None and last["name"] == "beat"
     finally:
         task_store.dispose()
@@ -185,22 +185,23 @@ def test_sweeper_ends_a_run_it_cannot_deliver(cluster: Cluster) -> None:
 def test_worker_without_a_sweeper_on_a_broker_that_never_redelivers_warns_once(
     cluster: Cluster,
 ) -> None:
-    """filesystem:// never redelivers: a worker that sees no sweep within 2 x
-    lease_sweep_interval logs ONE warning saying how to run beat; with beat running,
-    a worker sees its sweeps and says nothing."""
+    """filesystem:// never redelivers: a worker whose own sweeper is off
+    (lease_worker_sweeper = False) that sees no sweep within 2 x lease_sweep_interval
+    logs ONE warning saying how to sweep; with beat running, a worker sees its sweeps
+    and says nothing."""
     warning = "no sweep seen"
-    often = {"lease_sweep_interval": 0.5}
+    often = {"lease_sweep_interval": 0.5, "lease_worker_sweeper": False}
     w1 = cluster.start("w1", conf=often)
     wait_for(lambda: warning in w1.log(), 20, what="the warning")
     time.sleep(2.0)  # four more ticks of the watch
     log = w1.log()
     assert log.count(warning) == 1
-    assert "`celery -A tests.workerapp beat`" in log and "worker -B" in log
+    assert "`celery -A tests.workerapp beat`" in log and "lease_worker_sweeper" in log
     cluster.start_beat(often)
-    wait_for(lambda: cluster.store.last_sweep() is not None, 30, what="beat's first sweep")
+    wait_for(lambda: cluster.store.reads.last_sweep() is not None, 30, what="beat's first sweep")
     # w2 watches with a 2 s interval (a 4 s window) while beat sweeps every 0.5 s: a
     # loaded machine that delays one sweep by a second cannot make w2 warn.
-    w2 = cluster.start("w2", conf={"lease_sweep_interval": 2.0})
+    w2 = cluster.start("w2", conf={"lease_sweep_interval": 2.0, "lease_worker_sweeper": False})
     time.sleep(5.0)  # past w2's 4 s window: two ticks of its watch, each seeing sweeps
     assert warning not in w2.log()
 

@@ -3,6 +3,7 @@ the commands against real ``celery worker`` processes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +129,13 @@ def test_activity_and_live_leases_count_by_index_ranges(store: LeaseStore) -> No
     store.claim("g", "og", task_name="t", lease_ms=30_000, max_attempts=5)
     store.fail("g", "og", 1, error="x", failure_code="e", retry_in=60.0)
     assert store.cancel("g") == "cancelled"
-    activity = store.activity(store.now_ms())
+    activity = store.reads.activity(store.now_ms())
     assert activity.counts == {"queued": 0, "running": 4, "retrying": 1}
     assert activity.ended_recently == {"cancelled": 1, "failed": 0, "succeeded": 1}
     assert activity.retried_recently == 1 and activity.expired_leases == 1
     assert activity.running_retries == 0
-    assert [r.id for r in store.live_leases(10)] == ["f", "b", "e", "a"]
-    assert [r.id for r in store.live_leases(2)] == ["f", "b"]
+    assert [r.id for r in store.reads.live_leases(10)] == ["f", "b", "e", "a"]
+    assert [r.id for r in store.reads.live_leases(2)] == ["f", "b"]
 
 
 # -- the commands, with real workers ------------------------------------------------
@@ -342,6 +344,62 @@ def test_top_exits_0_on_sigint_when_piped(cluster: Cluster) -> None:
     assert b"Traceback" not in err and b"\x1b" not in first + out
 
 
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(60)
+def test_top_exits_at_once_on_sigint_however_long_the_teardown(cluster: Cluster) -> None:
+    """After Ctrl-C, `lease top` restores the terminal and exits 0 without waiting for the
+    interpreter's and the app's teardown (here an exit hook that takes 30 s; on a loaded
+    machine the interpreter's own teardown took seconds)."""
+    with _piped_top(cluster, CL_SLOW_TEARDOWN="30") as proc:
+        _interrupt_at_once(proc)
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
+@pytest.mark.timeout(60)
+def test_top_exits_0_on_sigint_while_a_frame_waits_on_the_database(cluster: Cluster) -> None:
+    """Ctrl-C while a frame's read waits on a lock (a stalled database): `lease top` exits 0
+    at once, without waiting for the read to end."""
+    with _piped_top(cluster) as proc, cluster.engine.connect() as conn, conn.begin():
+        conn.exec_driver_sql("LOCK TABLE celery_lease_runs IN ACCESS EXCLUSIVE MODE")
+        blocked = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        )
+        with cluster.engine.connect() as watch:
+            wait_for(lambda: watch.exec_driver_sql(blocked).scalar() == 1, 30, what="frame to wait")
+        _interrupt_at_once(proc)
+
+
+@contextlib.contextmanager
+def _piped_top(cluster: Cluster, **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`celery lease top --interval 0.2` piped, once its first frame is out; killed after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", "top", "--interval",
+         "0.2"],
+        env={**os.environ, **cluster.env, "PYTHONPATH": str(REPO), **env},
+        cwd=str(cluster.tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert b"celery lease top" in proc.stdout.readline()
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _interrupt_at_once(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT: `lease top` exits 0 within 5 s, with no traceback."""
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=15)
+    took = time.monotonic() - started
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err, err
+    assert took < 5, took
+
+
 @pytest.mark.timeout(90)
 def test_rerun_says_so_when_the_publish_fails(tmp_path: Path) -> None:
     """A broker that refuses the message: exit 1, one line saying the run is queued and how
@@ -401,9 +459,9 @@ def test_top_reads_index_ranges_not_the_table_on_postgresql(pg_url: str) -> None
 
     for engine in store.engines:
         event.listen(engine, "before_cursor_execute", record)
-    activity = store.activity(store.now_ms())
+    activity = store.reads.activity(store.now_ms())
     assert activity.counts["running"] == 200 and activity.ended_recently["succeeded"] > 0
-    assert len(store.live_leases(30)) == 30
+    assert len(store.reads.live_leases(30)) == 30
     assert len(seen) == 2
     with store.engine.connect() as conn:
         for statement, params in seen:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -15,12 +16,12 @@ import pytest
 from alembic import command
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
-from sqlalchemy import create_engine, inspect, update
+from sqlalchemy import create_engine, func, insert, inspect, select, update
 
 from celery_lease import retention
 from celery_lease.config import DEFAULT_RETENTION_SECONDS, LeaseConfig
 from celery_lease.migrations import alembic_config, head, upgrade
-from celery_lease.schema import runs
+from celery_lease.schema import outbox, rates, runs
 from celery_lease.store import LeaseStore
 from celery_lease.sweeper import sweep
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
@@ -88,7 +89,7 @@ def test_purge_deletes_only_old_finished_rows(store: LeaseStore) -> None:
     for status in ("queued", "running", "retrying"):
         _old_live_row(store, f"live-{status}", status)
     for status in ("succeeded", "failed", "cancelled"):
-        assert store.count_finished(status, HOUR_MS) == 1
+        assert store.reads.count_finished(status, HOUR_MS) == 1
         assert store.purge_finished(status, HOUR_MS) == 1
         assert store.purge_finished(status, HOUR_MS) == 0
         assert store.get(f"old-{status}") is None
@@ -518,6 +519,32 @@ def test_purge_cli_dry_run_status_filter_and_output(cli: tuple[Cli, LeaseStore])
 
 
 @pytest.mark.timeout(120)
+def test_purge_cli_deletes_followups_never_published(cli: tuple[Cli, LeaseStore]) -> None:
+    """`lease purge` also deletes follow-up tasks recorded before its age and never
+    published (the outbox stays bounded); --dry-run counts them."""
+    run, store = cli
+    now = store.now_ms()
+    rows = [
+        {
+            "task_id": task_id,
+            "run_id": "r",
+            "task_name": "t",
+            "payload": b"{}",
+            "payload_content_type": "application/json",
+            "created_at": now - age,
+        }
+        for task_id, age in (("old1", 48 * HOUR_MS), ("old2", 30 * HOUR_MS), ("new", 1000))
+    ]
+    with store.transaction() as conn:
+        conn.execute(insert(outbox), rows)
+    assert "would delete 2 follow-up tasks" in run.ok("purge", "--older-than", "1d", "--dry-run")
+    assert store.outbox.count() == 3
+    out = json.loads(run.ok("purge", "--older-than", "1d", "--json"))
+    assert out["unsent_followups"] == 2 and store.outbox.count() == 1
+    assert "follow-up" not in run.ok("purge", "--older-than", "1d")
+
+
+@pytest.mark.timeout(120)
 def test_purge_cli_refuses_bad_input_clearly(cli: tuple[Cli, LeaseStore]) -> None:
     """A bad duration, a live status, a missing age: usage errors naming the problem."""
     run, _ = cli
@@ -545,3 +572,105 @@ def test_show_says_a_finished_runs_arguments_were_cleared(cli: tuple[Cli, LeaseS
     assert "bytes (use --payload to print)" in live
     assert json.loads(run.ok("show", "done", "--json"))["payload_cleared"] is True
     assert json.loads(run.ok("show", "live", "--json"))["payload_cleared"] is False
+
+
+# -- issue 28: idle rate keys and kept results have retention (real workers) ---------
+
+FS_AND_PG = pytest.mark.parametrize(
+    "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+
+
+def _rate_rows(cluster: Cluster) -> int:
+    with cluster.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(rates)).scalar() or 0)
+
+
+@FS_AND_PG
+@pytest.mark.timeout(180)
+def test_idle_rate_keys_are_deleted_by_lease_purge_and_by_the_sweep(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Every rate key leaves one bucket row in celery_lease_rates. Once its last slot has
+    passed, `lease purge` deletes it (--dry-run counts it) and so does the worker's
+    sweep (before: the table grew by one row per key value, for good)."""
+    cluster.start("w1", conf={"lease_worker_sweeper": False})
+    ids = [cluster.send("rate_keyed", f"acct-{n}", n) for n in range(8)]
+    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in ids), 60, what="8 runs")
+    assert _rate_rows(cluster) == 8
+    (tmp_path / "cli").mkdir()
+    run = Cli(cluster.db_url, tmp_path / "cli")
+    time.sleep(0.6)  # each key's slot (2/s: 0.5 s) has passed
+    assert "would delete 8 idle rate keys" in run.ok("purge", "--older-than", "7d", "--dry-run")
+    assert _rate_rows(cluster) == 8
+    out = json.loads(run.ok("purge", "--older-than", "7d", "--json"))
+    assert out["idle_rate_keys"] == 8
+    assert _rate_rows(cluster) == 0
+    w2 = cluster.start("w2", conf={"lease_sweep_interval": 0.5})  # this one sweeps
+    more = [cluster.send("rate_keyed", f"more-{n}", n) for n in range(6)]
+    wait_for(lambda: all(cluster.status(i) == "succeeded" for i in more), 60, what="6 runs")
+    wait_for(lambda: _rate_rows(cluster) == 0, 30, what="the sweep to delete idle keys")
+    assert "idle rate keys" in w2.log()
+
+
+@FS_AND_PG
+@pytest.mark.timeout(180)
+def test_a_kept_result_lives_no_longer_than_result_expires_and_not_at_all_when_ignored(
+    cluster: Cluster,
+) -> None:
+    """The result kept in the row for a replay: dropped by the sweep once Celery's
+    result_expires (1 s here) has passed; never kept for a task with ignore_result, a
+    call with ignore_result, or an app without a result backend (before: kept until
+    lease_retention in every case)."""
+    cluster.start("w1", conf={"result_expires": 1, "lease_sweep_interval": 0.5})
+    kept = cluster.producer.signature("workerapp.step", args=(1,)).apply_async()
+    assert kept.get(timeout=60) == 2
+    quiet = cluster.send("quiet", 1)
+    ignored = cluster.producer.signature("workerapp.step", args=(5,)).apply_async(
+        ignore_result=True
+    )
+    wait_for(
+        lambda: cluster.status(quiet) == cluster.status(ignored.id) == "succeeded",
+        60,
+        what="the ignore_result runs",
+    )
+    for run_id in (quiet, ignored.id):
+        row = cluster.store.get(run_id)
+        assert row is not None and row.result is None, run_id
+    wait_for(
+        lambda: getattr(cluster.store.get(kept.id), "result", b"") is None,
+        30,
+        what="the sweep to drop the expired result",
+    )
+    row = cluster.store.get(kept.id)
+    assert row is not None and row.status == "succeeded" and row.result_content_type is None
+    cluster.start("w2", conf={"result_backend": None}, queues=[f"{cluster.queue}.nb"])
+    nobody = uuid.uuid4().hex
+    cluster.producer.send_task(
+        "workerapp.step", args=(7,), task_id=nobody, queue=f"{cluster.queue}.nb"
+    )
+    wait_for(lambda: cluster.status(nobody) == "succeeded", 60, what="the run without a backend")
+    row = cluster.store.get(nobody)
+    assert row is not None and row.result is None
+
+
+@pytest.mark.timeout(120)
+def test_purge_cli_drops_kept_results_past_result_expires(cli: tuple[Cli, LeaseStore]) -> None:
+    """`lease purge` drops the result a succeeded row keeps for a replay once the app's
+    result_expires (Celery's default, 1 day) has passed, as the sweep does; the row stays
+    until --older-than; --dry-run counts (before: only a sweep dropped them, so a
+    deployment sweeping with `lease purge` from cron kept every result until retention)."""
+    run, store = cli
+    for run_id, age in (("old", 48 * HOUR_MS), ("young", HOUR_MS)):
+        attempt = _claim(store, run_id)
+        store.complete(run_id, f"w:1:{run_id}", attempt, result=(b"[2]", "application/json"))
+        _age(store, run_id, age)
+    dry = run.ok("purge", "--older-than", "7d", "--dry-run")
+    assert "would drop 1 kept result older than result_expires (86400s" in dry, dry
+    assert store.get("old").result == b"[2]"  # type: ignore[union-attr]
+    out = json.loads(run.ok("purge", "--older-than", "7d", "--json"))
+    assert out["expired_results"] == 1 and out["total"] == 0
+    old, young = store.get("old"), store.get("young")
+    assert old is not None and old.status == "succeeded" and old.result is None
+    assert young is not None and young.result == b"[2]"
+    assert "kept result" not in run.ok("purge", "--older-than", "7d")

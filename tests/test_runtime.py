@@ -49,7 +49,7 @@ def test_bounds_and_heartbeat_follow_the_shortest_lease_whichever_task_runs_firs
     first = runtime_for(sqlite_app, long.lease_config())  # a 300 s lease uses it first
     then = runtime_for(sqlite_app, short.lease_config())
     assert then is first  # one store and one heartbeat per database
-    assert then.store.bounds == WaitBounds.for_lease(3.0)
+    assert then.store.db.bounds == WaitBounds.for_lease(3.0)
     assert then.heartbeat.interval == short.lease_config().heartbeat_interval == 1.0
 
 

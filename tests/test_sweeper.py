@@ -85,8 +85,8 @@ def test_expired_message_is_cancelled_not_published(app: Celery) -> None:
 
 
 def test_eager_failure_leaves_nothing_for_the_sweeper(app: Celery) -> None:
-    """An eager apply() (or a direct call) that fails with attempts left records the run
-    retrying without a message: no sweep ever sends it to real workers."""
+    """An eager apply() (or a direct call) that fails records the run failed at once (nobody
+    would run it again) and without a message: no sweep ever sends it to real workers."""
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="sweeper.eager_boom")
     def boom(self: LeasedTask) -> None:
@@ -96,7 +96,7 @@ def test_eager_failure_leaves_nothing_for_the_sweeper(app: Celery) -> None:
     assert result.failed()
     store = store_for(app)
     row = store.get(result.id)
-    assert row is not None and row.status == "retrying" and row.payload is None
+    assert row is not None and row.status == "failed" and row.payload is None
     with pytest.raises(RuntimeError):
         boom()
     report = sweep(app, store, stale_after=0)

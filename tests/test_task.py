@@ -50,7 +50,7 @@ def test_uncontended_run_issues_two_statements(app: Celery) -> None:
     task_thread = {tid for tid, stmt in seen if stmt.lstrip().upper().startswith("INSERT")}
     statements = [stmt for tid, stmt in seen if tid in task_thread]
     kinds = [stmt.split()[0].upper() for stmt in statements]
-    if store.dialect == "mysql":
+    if store.db.dialect == "mysql":
         # No INSERT .. ON CONFLICT .. RETURNING: the claim is a short locked transaction.
         assert kinds == ["SELECT", "INSERT", "SELECT", "UPDATE"], statements
     else:

@@ -43,7 +43,7 @@ def test_temporary_lease_store_is_removed_afterwards() -> None:
 
 def test_fixtures_give_a_fresh_store(lease_store: LeaseStore, lease_database_url: str) -> None:  # noqa: F811
     """The lease_store fixture is empty, has its table, and sits at lease_database_url."""
-    assert lease_store.has_schema() and lease_store.list_runs() == []
+    assert lease_store.has_schema() and lease_store.reads.list_runs() == []
     assert lease_store.engine.url.render_as_string() == lease_database_url
 
 
@@ -189,7 +189,7 @@ def test_fence_on_the_lease_transaction_follows_use_lease_database(
     assert capture.delay(42).get() == "captured"
     assert len(seen) == 1 and "not on the lease database" in seen[0]
     store = store_for(app)
-    assert [run.status for run in store.list_runs()] == ["succeeded"]
+    assert [run.status for run in store.reads.list_runs()] == ["succeeded"]
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT order_id FROM captures")).scalars().all() == [42]
     import_time_engine.dispose()

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
-from celery_lease import LeasedTask, LeaseLost, install, testing, tracing
+from celery_lease import LeaseConfig, LeasedTask, LeaseLost, install, testing, tracing
 from celery_lease.errors import LeaseDatabaseError, LeaseInputError
 from celery_lease.runtime import app_config, app_runtime, runtime_for, store_for
 from celery_lease.schema import check_claim_inputs
@@ -316,11 +316,11 @@ def test_lease_tracing_setting(tmp_path: Path) -> None:
     """lease_tracing: None (on with the API installed), False (off), anything else refused."""
     on = Celery("tracing-on", set_as_current=False)
     install(on)
-    assert isinstance(app_runtime(on).tracing, tracing.LeaseTracing)
+    assert isinstance(app_runtime(on).feature(tracing.LeaseTracing), tracing.LeaseTracing)
     off = Celery("tracing-off", set_as_current=False)
     off.conf.lease_tracing = False
     install(off)
-    assert app_runtime(off).tracing is None
+    assert app_runtime(off).feature(tracing.LeaseTracing) is None
     bad = Celery("tracing-bad", set_as_current=False)
     bad.conf.lease_tracing = "yes"
     with pytest.raises(ImproperlyConfigured, match="lease_tracing must be True, False or None"):
@@ -347,7 +347,7 @@ assert result.get() == 1
 bus = app_runtime(app).events
 print(json_dumps({{
     "modules": sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"),
-    "tracing": type(app_runtime(app).tracing).__name__,
+    "tracing": [type(f).__name__ for f in app_runtime(app).features],
     "listeners": len(bus._listeners) + len(bus._transition_listeners),
     "trace_context": store_for(app).get(result.id).trace_context,
 }}))
@@ -386,7 +386,7 @@ def test_without_opentelemetry_nothing_is_imported() -> None:
     """A fresh interpreter that cannot import opentelemetry runs a leased task: no module
     of it is imported, no tracing object, no listener, no trace context stored."""
     found = run_fresh(BLOCK_OPENTELEMETRY)
-    assert found == {"modules": [], "tracing": "NoneType", "listeners": 0, "trace_context": None}
+    assert found == {"modules": [], "tracing": [], "listeners": 0, "trace_context": None}
 
 
 @pytest.mark.timeout(90)
@@ -394,7 +394,7 @@ def test_with_the_api_alone_only_the_no_op_tracer_runs() -> None:
     """API installed, no SDK provider set: tracing is on, but nothing records, so no
     listener joins the event bus and the claim stores no trace context."""
     found = run_fresh("")
-    assert found["tracing"] == "LeaseTracing"
+    assert found["tracing"] == ["LeaseTracing"]
     assert "opentelemetry.sdk" not in found["modules"]
     assert found["listeners"] == 0 and found["trace_context"] is None
 
@@ -553,3 +553,38 @@ def test_kill9_recovery_links_to_the_dead_attempt(cluster: Cluster, tmp_path: Pa
     row = cluster.store.get(run_id)
     assert row is not None and row.trace_context is not None
     assert row.trace_context.split(" ")[1][3:35] == dead["context"]["trace_id"][2:]
+
+
+@pytest.mark.parametrize(("share", "expected"), [(True, 200), (False, 0), (0.1, (5, 45))])
+def test_lease_trace_fence_turns_fence_spans_off_or_samples_them(
+    app: Celery, exporter: InMemorySpanExporter, share: Any, expected: Any
+) -> None:
+    """A task that fences 200 items gets 200 fence spans by default, none with
+    lease_trace_fence=False and about a tenth with 0.1; claim and complete stay."""
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="tracing.export", lease_trace_fence=share
+    )
+    def export(self: LeasedTask) -> int:
+        for _ in range(200):
+            with self.lease.transaction() as conn:
+                self.lease.fence(conn)
+        return 200
+
+    assert export.delay().get() == 200
+    spans = exporter.get_finished_spans()
+    fences = len(named(spans, "celery_lease.fence"))
+    if isinstance(expected, tuple):
+        assert expected[0] <= fences <= expected[1]
+    else:
+        assert fences == expected
+    one(spans, "celery_lease.claim")
+    one(spans, "celery_lease.complete")
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, "half", float("nan")])
+def test_lease_trace_fence_refuses_what_is_not_a_share(bad: Any) -> None:
+    """lease_trace_fence is True, False or a share from 0 to 1: anything else is refused,
+    naming the key."""
+    with pytest.raises(ImproperlyConfigured, match="lease_trace_fence must be True, False"):
+        LeaseConfig.from_mapping({"lease_trace_fence": bad})

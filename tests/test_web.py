@@ -11,8 +11,11 @@ from __future__ import annotations
 import base64
 import os
 import re
+import select
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,8 @@ from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import REPO, env_flag, plain_engine, wait_for
 
 TOKEN = "s3cret-token-for-tests"
+#: The base URL of in-process requests: a loopback Host, which the view answers by default.
+LOCAL = "http://localhost"
 EVIL_TASK = "shop.<script>alert('task')</script>"
 EVIL_ERROR = "boom <script>alert('error')</script> password=hunter2"
 SECRET_ARGS = b'{"card": "4111-SECRET-ARGS"}'
@@ -85,7 +90,7 @@ def celery_app(url: str, **conf: Any) -> Celery:
 def client(url: str, **kwargs: Any) -> Any:
     from starlette.testclient import TestClient
 
-    return TestClient(create_app(celery_app(url), **kwargs))
+    return TestClient(create_app(celery_app(url), **kwargs), base_url=LOCAL)
 
 
 def csrf_of(response: Any) -> str:
@@ -126,7 +131,7 @@ def test_keyset_pages_walk_every_run_once_newest_first(db_url: str) -> None:
             seen: list[tuple[int, str]] = []
             after: tuple[int | None, str | None] = (None, None)
             for _ in range(20):
-                page = store.page_runs(
+                page = store.reads.page_runs(
                     RunPageQuery(
                         status=status,
                         task_name=task,
@@ -142,15 +147,15 @@ def test_keyset_pages_walk_every_run_once_newest_first(db_url: str) -> None:
             assert seen == [(c, i) for c, i, _, _ in want], (status, task)
         # A key prefix pages by id; LIKE's wildcards in it are taken literally.
         add_run(engine, "shop.task1:order_x", task="shop.task1")
-        prefixed = store.page_runs(RunPageQuery(id_prefix="shop.task1:order-01", limit=50))
+        prefixed = store.reads.page_runs(RunPageQuery(id_prefix="shop.task1:order-01", limit=50))
         assert [r.id for r in prefixed] == [f"shop.task1:order-{n:03d}" for n in (10, 13, 16, 19)]
-        first = store.page_runs(RunPageQuery(id_prefix="shop.task1:", limit=5))
-        rest = store.page_runs(RunPageQuery(id_prefix="shop.task1:", after_id=first[-1].id))
+        first = store.reads.page_runs(RunPageQuery(id_prefix="shop.task1:", limit=5))
+        rest = store.reads.page_runs(RunPageQuery(id_prefix="shop.task1:", after_id=first[-1].id))
         ids = [r.id for r in first + rest]
         assert ids == sorted(ids) and len(ids) == len(set(ids)) == 14
-        assert store.page_runs(RunPageQuery(id_prefix="shop.task1:order%")) == []
+        assert store.reads.page_runs(RunPageQuery(id_prefix="shop.task1:order%")) == []
         # The age bound: only runs created at or after it.
-        recent = store.page_runs(RunPageQuery(created_since=18_000, limit=100))
+        recent = store.reads.page_runs(RunPageQuery(created_since=18_000, limit=100))
         assert {r.created_at for r in recent} == {18_000, 19_000}
     finally:
         engine.dispose()
@@ -247,8 +252,9 @@ def test_runs_page_filters_and_links_the_next_page(lease_db: tuple[str, Any]) ->
 @pytest.mark.timeout(60)
 def test_overview_counts(db_url: str) -> None:
     """Counts per status and per task (live, and ended in the last hour), the oldest running
-    lease, and the leases that expired and were taken over in the last hour; on every
-    database."""
+    lease, and the runs taken over, re-published by the sweeper and ended after an expired
+    lease in the last hour, from the history columns (a run re-claimed and finished since
+    still counts; an older takeover does not); on every database."""
     url = db_url
     store = LeaseStore.from_url(url)
     store.create_schema()
@@ -263,6 +269,8 @@ def test_overview_counts(db_url: str) -> None:
         started_at=now - 5000,
         lease_owner="w1@host:1:x",
         lease_expires_at=now + 30_000,
+        takeovers=1,
+        taken_over_at=now - 2000,  # taken over, running again
     )
     add_run(
         engine,
@@ -282,6 +290,10 @@ def test_overview_counts(db_url: str) -> None:
         failure_code="lease_expired",
         updated_at=now - 1000,
         created_at=now - 9000,
+        republishes=1,
+        republished_at=now - 1000,  # swept, waiting for its next claim
+        takeovers=3,
+        taken_over_at=now - 7_200_000,  # two hours ago: not in the window
     )
     add_run(
         engine,
@@ -300,7 +312,19 @@ def test_overview_counts(db_url: str) -> None:
             task="shop.refund",
             finished_at=ended,
             lease_expires_at=ended,
+            # Swept, then claimed and finished: no claim resets the history.
+            republishes=2,
+            republished_at=ended - 500,
         )
+    add_run(
+        engine,
+        "f",
+        status="failed",
+        task="shop.charge",
+        failure_code="lease_expired",
+        finished_at=now - 300,
+        lease_expires_at=now - 300,
+    )
     data = client(url).get("/api/overview").json()
     # Live runs, and the runs that ended in the last hour: "e" ended two hours ago.
     assert {s["status"]: s["count"] for s in data["statuses"]} == {
@@ -308,15 +332,42 @@ def test_overview_counts(db_url: str) -> None:
         "running": 3,
         "retrying": 1,
         "succeeded": 1,
-        "failed": 0,
+        "failed": 1,
         "cancelled": 0,
     }
     assert data["tasks"] == [
-        {"task": "shop.charge", "live": [0, 3, 0], "ended": [0, 0, 0]},
-        {"task": "shop.refund", "live": [0, 0, 1], "ended": [1, 0, 0]},
+        {
+            "task": "shop.charge",
+            "live": [0, 3, 0],
+            "ended": [0, 1, 0],
+            "taken_over": 1,
+            "republished": 0,
+        },
+        {
+            "task": "shop.refund",
+            "live": [0, 0, 1],
+            "ended": [1, 0, 0],
+            "taken_over": 0,
+            "republished": 2,
+        },
     ]
-    assert data["oldest"]["id"] == "a" and data["taken_over"] == 1
+    recovery = {c["name"]: c["count"] for c in data["recovery"]}
+    assert recovery == {"taken_over": 1, "republished": 2, "ended_expired": 1}
+    assert data["oldest"]["id"] == "a"
+    # A task's page counts the same, for that task alone.
+    for task, statuses, counted in (
+        ("shop.charge", {"running": 3, "failed": 1}, (1, 0, 1)),
+        ("shop.refund", {"retrying": 1, "succeeded": 1}, (0, 2, 0)),
+    ):
+        page = client(url).get(f"/api/task?name={task}").json()
+        assert {s["status"]: s["count"] for s in page["statuses"] if s["count"]} == statuses
+        assert tuple(c["count"] for c in page["recovery"]) == counted
+        assert page["expired_leases"] == (1 if task == "shop.charge" else 0)
     assert (data["live_leases"], data["expired_leases"]) == (2, 1)
+    assert data["sweeper"] == "no worker has led it" and data["beats"] == "-"
+    assert store.leaders.create("sweeper", "w1@host:1:token.worker", 60_000)
+    data = client(url).get("/api/overview").json()
+    assert data["sweeper"].startswith("w1@host:1 since ")
     store.dispose()
     engine.dispose()
 
@@ -331,7 +382,7 @@ def test_mounted_under_a_prefix(lease_db: tuple[str, Any]) -> None:
     url, engine = lease_db
     add_run(engine, "r1")
     view = create_app(celery_app(url), token=TOKEN)
-    c = TestClient(Router(routes=[Mount("/lease", app=view)]))
+    c = TestClient(Router(routes=[Mount("/lease", app=view)]), base_url=LOCAL)
     page = c.get("/lease/runs")
     assert page.status_code == 200
     assert 'href="/lease/run?id=r1"' in page.text and 'src="/lease/static/app.js"' in page.text
@@ -437,16 +488,261 @@ def test_pause_and_resume_a_runs_task_from_the_web(lease_db: tuple[str, Any]) ->
     assert done.status_code == 200, done.text
     store = LeaseStore.from_url(url)
     try:
-        paused = store.list_pauses()
+        paused = store.flow.list_pauses()
         assert [(p.task_name, p.key) for p in paused] == [("shop.charge", "")]
         assert paused[0].reason == "paused from the web view"
         again = c.post(
             "/action", data={"csrf": csrf, "action": "resume", "id": "r1", "token": TOKEN}
         )
-        assert again.status_code == 200 and "is resumed: 0 kept deliveries" in again.text
-        assert store.list_pauses() == []
+        assert again.status_code == 200 and "resumed shop.charge: 0 held deliveries" in again.text
+        assert store.flow.list_pauses() == []
     finally:
         store.dispose()
+
+
+PAYLOAD = b'{"args": [7], "kwargs": {}, "options": {}}'
+
+
+def flow_app(url: str) -> Celery:
+    """An app with a paused-able task and a rate-limited one (per rate key)."""
+    from celery_lease import LeasedTask
+
+    app = celery_app(url)
+
+    @app.task(base=LeasedTask, bind=True, name="shop.call_partner")
+    def call_partner(self: Any, order: int) -> int:
+        return order
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        name="shop.sync",
+        lease_rate_limit="2/s",
+        lease_rate_key=lambda account: f"acct-{account}",
+    )
+    def sync(self: Any, account: int) -> int:
+        return account
+
+    return app
+
+
+def flow_client(app: Celery, **kwargs: Any) -> Any:
+    from starlette.testclient import TestClient
+
+    return TestClient(create_app(app, **kwargs), base_url=LOCAL)
+
+
+def hold(store: LeaseStore, reason: str, task: str, n: int, key: str = "", **kw: Any) -> None:
+    """Hold ``n`` deliveries of ``task`` as flow control does (test setup)."""
+    for i in range(n):
+        kept = store.flow.hold(
+            reason,
+            task_name=task,
+            flow_key=key,
+            run_id=f"{task}-{key}-{i}",
+            task_id=f"{task}-{key}-{i}",
+            payload=PAYLOAD,
+            payload_content_type="application/json",
+            **kw,
+        )
+        assert kept
+
+
+@pytest.mark.timeout(60)
+def test_front_page_shows_paused_and_rate_limited_work(lease_db: tuple[str, Any]) -> None:
+    """The overview lists each pause (task, key, reason, since, deliveries held) and each
+    rate-limited task's buckets (limit, deliveries waiting, next slot), in the page and in
+    its JSON; nothing paused or limited says so."""
+    url, _ = lease_db
+    store = LeaseStore.from_url(url)
+    app = flow_app(url)
+    c = flow_client(app)
+    html = c.get("/").text
+    assert "nothing is paused" in html
+    try:
+        store.flow.pause("shop.call_partner", reason="partner 503s INC-44")
+        store.flow.pause("shop.sync", key="acct-9")
+        hold(store, "paused", "shop.call_partner", 3)
+        # Four slots taken at once on acct-1's bucket (2/s): the next is ~2 s off.
+        for _ in range(4):
+            store.flow.reserve_rate("shop.sync", "acct-1", 500, 1)
+        hold(store, "rate", "shop.sync", 2, key="acct-1", available_at=store.now_ms() + 1500)
+        data = c.get("/api/overview").json()
+        assert data["paused"] == [
+            {
+                "task": "shop.call_partner",
+                "key": "(every key)",
+                "reason": "partner 503s INC-44",
+                "since": data["paused"][0]["since"],
+                "held": "3",
+            },
+            {
+                "task": "shop.sync",
+                "key": "acct-9",
+                "reason": "-",
+                "since": data["paused"][1]["since"],
+                "held": "0",
+            },
+        ]
+        assert data["paused"][0]["since"].endswith(" ago")
+        # (Tasks other test modules define with @app.task are shared with every app.)
+        [rate] = [r for r in data["rate_limited"] if r["task"] == "shop.sync"]
+        assert (rate["task"], rate["key"], rate["limit"], rate["waiting"]) == (
+            "shop.sync",
+            "acct-1",
+            "2/s, per rate key",
+            "2",
+        )
+        assert rate["next_slot"].startswith("in ")
+        html = c.get("/").text
+        for text in ("partner 503s INC-44", "shop.call_partner", "2/s, per rate key"):
+            assert text in html
+        assert 'href="/task?name=shop.call_partner"' in html
+    finally:
+        store.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_task_page_counts_pause_state_and_pause_resume(lease_db: tuple[str, Any]) -> None:
+    """A task's page shows its runs per status, its pause and held deliveries; Pause (with a
+    reason, cancelling its running runs) and Resume go through the confirmation with the
+    token and the CSRF value, and say what they did."""
+    url, engine = lease_db
+    store = LeaseStore.from_url(url)
+    app = flow_app(url)
+    now = store.now_ms()
+    task = "shop.call_partner"
+    for i in range(2):
+        store.claim(f"run-{i}", f"w{i}@h:1:x", task_name=task, lease_ms=30_000, max_attempts=3)
+    add_run(engine, "done", task=task, status="succeeded", finished_at=now, lease_expires_at=now)
+    add_run(engine, "other", task="shop.other", status="running", lease_expires_at=now + 30_000)
+    c = flow_client(app, token=TOKEN)
+    try:
+        data = c.get(f"/api/task?name={task}").json()
+        counts = {s["status"]: s["count"] for s in data["statuses"]}
+        assert (counts["running"], counts["succeeded"], counts["queued"]) == (2, 1, 0)
+        assert data["state"] == "not paused" and data["held"] == 0
+        assert [a["name"] for a in data["actions"]] == ["pause-task"]
+        page = c.get(f"/task?name={task}").text
+        assert f'href="/confirm?action=pause-task&amp;task={task}"' in page
+        confirm = c.get(f"/confirm?action=pause-task&task={task}")
+        assert confirm.status_code == 200 and "Yes, pause the task" in confirm.text
+        assert "pause task it" not in confirm.text.lower()
+        form = {
+            "csrf": csrf_of(confirm),
+            "action": "pause-task",
+            "task": task,
+            "reason": "partner 503s INC-44",
+            "cancel_running": "yes",
+        }
+        refused = c.post("/action", data=form)
+        assert refused.status_code == 403 and "wrong or missing write token" in refused.text
+        assert store.flow.list_pauses() == []
+        done = c.post("/action", data={**form, "token": TOKEN})
+        assert done.status_code == 200, done.text
+        assert "cancel requested for 2 running runs" in done.text
+        assert 'href="/task?name=shop.call_partner">back to the task' in done.text
+        [pause] = store.flow.list_pauses()
+        assert (pause.task_name, pause.reason) == (task, "partner 503s INC-44")
+        assert store.get("run-0").cancel_requested_at is not None  # type: ignore[union-attr]
+        assert store.get("other").cancel_requested_at is None  # type: ignore[union-attr]
+        hold(store, "paused", task, 2)
+        data = c.get(f"/api/task?name={task}").json()
+        assert data["state"].startswith("paused since ") and "INC-44" in data["state"]
+        assert data["held"] == 2 and [a["name"] for a in data["actions"]] == ["resume-task"]
+        confirm = c.get(f"/confirm?action=resume-task&task={task}")
+        assert "Yes, resume the task" in confirm.text and "2 deliveries held" in confirm.text
+        resumed = c.post(
+            "/action",
+            data={"csrf": csrf_of(confirm), "action": "resume-task", "task": task, "token": TOKEN},
+        )
+        assert resumed.status_code == 200, resumed.text
+        assert "resumed shop.call_partner: 2 held deliveries published" in resumed.text
+        assert store.flow.list_pauses() == []
+        assert c.get("/api/task?name=").status_code == 400
+    finally:
+        store.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_bulk_rerun_from_a_filtered_list(lease_db: tuple[str, Any]) -> None:
+    """A runs list filtered by task and status failed (or cancelled) offers "Rerun these";
+    its confirmation counts the runs (and those without a stored message); confirmed with
+    the token, the listed runs go back to queued under new task ids; others stay."""
+    url, engine = lease_db
+    store = LeaseStore.from_url(url)
+    task = "shop.call_partner"
+    for i in range(3):
+        add_run(
+            engine,
+            f"f{i}",
+            task=task,
+            status="failed",
+            attempt=2,
+            max_attempts=2,
+            failure_code="boom",
+            finished_at=2_000 + i,
+            created_at=2_000 + i,
+            payload=PAYLOAD,
+            payload_content_type="application/json",
+            task_id=f"t{i}",
+        )
+    add_run(engine, "bare", task=task, status="failed", finished_at=3_000, created_at=3_000)
+    add_run(engine, "c1", task=task, status="cancelled", finished_at=3_000, payload=PAYLOAD,
+            payload_content_type="application/json")  # fmt: skip
+    add_run(engine, "o1", task="shop.other", status="failed", finished_at=3_000,
+            payload=PAYLOAD, payload_content_type="application/json")  # fmt: skip
+    c = flow_client(flow_app(url), token=TOKEN)
+    try:
+        assert "Rerun these" not in c.get(f"/runs?task={task}").text
+        assert "Rerun these" not in c.get("/runs?status=failed").text
+        page = c.get(f"/runs?task={task}&status=failed").text
+        assert 'href="/confirm?action=rerun-runs&amp;status=failed&amp;task=' in page
+        confirm = c.get(f"/confirm?action=rerun-runs&task={task}&status=failed")
+        assert confirm.status_code == 200, confirm.text
+        assert "4 failed runs of shop.call_partner match; 3 keep a stored message" in confirm.text
+        assert "1 has none and would be left alone" in confirm.text
+        assert "Yes, rerun 3 runs" in confirm.text
+        assert store.get("f0").status == "failed"  # type: ignore[union-attr]  # dry
+        form = {"csrf": csrf_of(confirm), "action": "rerun-runs", "task": task,
+                "status": "failed"}  # fmt: skip
+        assert c.post("/action", data=form).status_code == 403  # no token
+        done = c.post("/action", data={**form, "token": TOKEN})
+        assert done.status_code == 200, done.text
+        assert "3 failed runs of shop.call_partner queued again" in done.text
+        assert "1 left alone" in done.text
+        for i in range(3):
+            row = store.get(f"f{i}")
+            assert row is not None and row.status == "queued" and row.max_attempts == 7
+            assert row.task_id not in (None, f"t{i}")
+        assert store.get("bare").status == "failed"  # type: ignore[union-attr]
+        assert store.get("c1").status == "cancelled"  # type: ignore[union-attr]
+        assert store.get("o1").status == "failed"  # type: ignore[union-attr]
+        again = c.get(f"/confirm?action=rerun-runs&task={task}&status=failed")
+        assert "1 failed run of shop.call_partner matches; 0 keep a stored" in again.text
+        assert c.get("/confirm?action=rerun-runs&status=failed").status_code == 400
+    finally:
+        store.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_run_shows_its_outcome_not_mid_way_progress(
+    lease_db: tuple[str, Any],
+) -> None:
+    """A succeeded run whose body last reported 37/50 shows "succeeded" as its progress, a
+    failed one where it stopped; a running one its progress (list and detail)."""
+    url, engine = lease_db
+    now = LeaseStore.from_url(url).now_ms()
+    common = {"progress_done": 37.0, "progress_total": 50.0, "finished_at": now}
+    add_run(engine, "ok", status="succeeded", **common)
+    add_run(engine, "bad", status="failed", **common)
+    add_run(engine, "live", status="running", progress_done=37.0, progress_total=50.0,
+            lease_expires_at=now + 30_000)  # fmt: skip
+    c = client(url)
+    rows = {r["id"]: r["progress"] for r in c.get("/api/runs").json()["rows"]}
+    assert rows == {"ok": "succeeded", "bad": "failed at 37/50 (74%)", "live": "37/50 (74%)"}
+    fields = {f["name"]: f["text"] for f in c.get("/api/run?id=ok").json()["fields"]}
+    assert fields["progress"] == "succeeded"
 
 
 @pytest.mark.timeout(60)
@@ -476,7 +772,7 @@ def test_token_setting_is_validated(
     monkeypatch.setenv("CELERY_LEASE_WEB_TOKEN", TOKEN)
     from starlette.testclient import TestClient
 
-    page = TestClient(create_app(celery_app(url))).get("/runs").text
+    page = TestClient(create_app(celery_app(url)), base_url=LOCAL).get("/runs").text
     assert "writes need the token" in page
 
 
@@ -527,8 +823,8 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch, lease_db: tuple
     """Without Starlette the factory says which extra to install."""
     for name in [m for m in sys.modules if m.split(".")[0] == "starlette"] + ["starlette"]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "celery_lease.web.app", raising=False)
-    monkeypatch.delattr(celery_lease.web, "app", raising=False)
+    monkeypatch.delitem(sys.modules, "celery_lease.web.server", raising=False)
+    monkeypatch.delattr(celery_lease.web, "server", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'celery-lease\[web\]'"):
         create_app(celery_app(lease_db[0]))
 
@@ -734,3 +1030,320 @@ def test_browser_follows_a_real_worker_and_cancels_its_run(cluster: Cluster) -> 
     finally:
         driver.quit()
         server.stop()
+
+
+def cells(driver: Any, css: str) -> list[list[str]]:
+    """The text of each cell of each row matched by ``css``."""
+    from selenium.webdriver.common.by import By
+
+    return [
+        [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+        for row in driver.find_elements(By.CSS_SELECTOR, css)
+    ]
+
+
+def confirm_with_token(driver: Any, heading: str, **fields: str) -> None:
+    """On a confirmation page: fill ``fields`` and the token, and confirm."""
+    from selenium.webdriver.common.by import By
+
+    wait_text(driver, "h1", heading)
+    for name, value in fields.items():
+        driver.find_element(By.NAME, name).send_keys(value)
+    driver.find_element(By.NAME, "token").send_keys(TOKEN)
+    driver.find_element(By.ID, "confirm").click()
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(240)
+def test_browser_pause_from_the_task_page_shows_reason_and_held_then_resume(
+    cluster: Cluster,
+) -> None:
+    """With a real worker: Pause on a task's page (reason, token); deliveries sent meanwhile
+    are held; the front page shows the task, its reason and 3 held; Resume on the task's
+    page publishes them and each runs once."""
+    from selenium.webdriver.common.by import By
+
+    cluster.start("w1")
+    server = WebServer("tests.workerapp", {**cluster.env, "CELERY_LEASE_WEB_TOKEN": TOKEN},
+                       cluster.tmp_path)  # fmt: skip
+    driver = browser()
+    try:
+        driver.get(f"{server.url}/task?name=workerapp.work")
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="state"]').text == "not paused"
+        driver.find_element(By.LINK_TEXT, "Pause task").click()
+        confirm_with_token(driver, "Pause task", reason="partner 503s INC-44")
+        wait_text(driver, "#message", "paused workerapp.work on every worker")
+        ids = [cluster.send("work", 0.0) for _ in range(3)]
+        wait_for(lambda: sum(cluster.store.flow.flow_counts().paused.values()) == 3, 40,
+                 what="3 held deliveries")  # fmt: skip
+        assert all(cluster.store.get(i) is None for i in ids)  # no attempt used
+        driver.get(server.url + "/")
+        [row] = cells(driver, "#paused tr")
+        assert row[:3] == ["workerapp.work", "(every key)", "partner 503s INC-44"]
+        assert row[3].endswith(" ago") and row[4] == "3"
+        driver.find_element(By.CSS_SELECTOR, "#paused a").click()
+        wait_text(driver, "h1", "Task workerapp.work")
+        state = driver.find_element(By.CSS_SELECTOR, 'dd[data-field="state"]').text
+        assert state.startswith("paused since") and "INC-44" in state
+        assert driver.find_element(By.CSS_SELECTOR, 'dd[data-field="held"]').text == "3"
+        driver.find_element(By.LINK_TEXT, "Resume task").click()
+        confirm_with_token(driver, "Resume task")
+        wait_text(driver, "#message", "resumed workerapp.work: 3 held deliveries published")
+        wait_for(lambda: all(cluster.status(i) == "succeeded" for i in ids), 60, what="3 runs")
+        for run_id in ids:
+            assert len(cluster.effects(run_id, "commit")) == 1
+        driver.find_element(By.LINK_TEXT, "back to the task").click()
+        wait_text(driver, 'dd[data-field="state"]', "not paused")
+        wait_text(driver, 'td[data-count="succeeded"]', "3")
+    finally:
+        driver.quit()
+        server.stop()
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(240)
+def test_browser_bulk_rerun_from_a_filtered_list(cluster: Cluster) -> None:
+    """With a real worker: three runs of a task fail (attempts spent) beside a failed run of
+    another task; the runs list filtered by task and status offers "Rerun these"; confirmed
+    with the token, the three run again and succeed; the other stays failed."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    cluster.start("w1", conf={"lease_max_attempts": 1})
+    flaky = [cluster.send("flaky", 1) for _ in range(3)]
+    boom = cluster.send("boom")
+    wait_for(lambda: all(cluster.status(i) == "failed" for i in [*flaky, boom]), 60,
+             what="4 failed runs")  # fmt: skip
+    server = WebServer("tests.workerapp", {**cluster.env, "CELERY_LEASE_WEB_TOKEN": TOKEN},
+                       cluster.tmp_path)  # fmt: skip
+    driver = browser()
+    try:
+        driver.get(server.url + "/runs")
+        assert not driver.find_elements(By.ID, "bulk-rerun")
+        Select(driver.find_element(By.NAME, "status")).select_by_visible_text("failed")
+        driver.find_element(By.NAME, "task").send_keys("workerapp.flaky")
+        driver.find_element(By.CSS_SELECTOR, "form.filters button").click()
+        wait_text(driver, "#bulk-rerun", "Rerun these failed runs")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#rows tr")
+        assert sorted(r.get_attribute("data-id") for r in rows) == sorted(flaky)
+        driver.find_element(By.ID, "bulk-rerun").click()
+        wait_text(driver, "#detail", "3 failed runs of workerapp.flaky match; 3 keep")
+        assert cluster.status(flaky[0]) == "failed"  # the confirmation changed nothing
+        confirm_with_token(driver, "Rerun the listed runs of")
+        wait_text(driver, "#message", "3 failed runs of workerapp.flaky queued again")
+        wait_for(lambda: all(cluster.status(i) == "succeeded" for i in flaky), 60,
+                 what="the reruns to succeed")  # fmt: skip
+        for run_id in flaky:
+            assert [e.attempt for e in cluster.effects(run_id, "commit")] == [2]
+        assert cluster.status(boom) == "failed"
+        driver.find_element(By.LINK_TEXT, "back to the runs").click()
+        wait_text(driver, "#rows", "no runs match")
+    finally:
+        driver.quit()
+        server.stop()
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(300)
+def test_browser_counters_after_a_real_takeover_and_a_real_sweep(cluster: Cluster) -> None:
+    """With real workers: one run is taken over (its worker frozen past its lease, the
+    message delivered again to another), another re-published by the sweeper (its worker
+    killed); once both succeeded (claimed again since), the front page counts one takeover
+    and one sweeper re-publish in the last hour, and so do the task rows and the runs'
+    pages."""
+    from selenium.webdriver.common.by import By
+
+    timing = {"CL_LEASE_SECONDS": "2", "CL_HEARTBEAT": "0.5"}
+    w1 = cluster.start("w1", **timing)
+    taken = cluster.send("sleepy", 4.0)
+    wait_for(lambda: cluster.effects(taken, "start"), 30, what="w1 to start the run")
+    w1.pause()
+    try:
+        time.sleep(2.5)  # past the 2 s lease, by the database clock too
+        w2 = cluster.start("w2", **timing)
+        cluster.send("sleepy", 4.0, task_id=taken)
+        wait_for(lambda: len(cluster.effects(taken, "start")) == 2, 30, what="w2's takeover")
+    finally:
+        w1.resume()
+    wait_for(lambda: cluster.status(taken) == "succeeded", 30, what="the takeover to succeed")
+    swept = cluster.send("work", 3.0)
+    wait_for(lambda: cluster.status(swept) == "running", 30, what="the second run to start")
+    owner = cluster.store.get(swept).lease_owner or ""  # type: ignore[union-attr]
+    (w1 if owner.startswith("w1@") else w2).kill9()
+
+    def swept_once() -> bool:
+        row = cluster.store.get(swept)
+        if row is not None and row.republishes:
+            return True
+        sweep = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", "sweep"],
+            env={**os.environ, "PYTHONPATH": str(REPO), **cluster.env, **timing},
+            cwd=cluster.tmp_path, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert sweep.returncode == 0, sweep.stderr
+        return False
+
+    wait_for(swept_once, 60, interval=0.5, what="the sweeper to re-publish the run")
+    # The surviving worker claims it again (attempt 2): the claim resets `requeues`, not
+    # the history.
+    wait_for(lambda: cluster.status(swept) == "succeeded", 60, what="attempt 2 to succeed")
+    row = cluster.store.get(swept)
+    assert row is not None and (row.attempt, row.republishes, row.requeues) == (2, 1, 0)
+    server = WebServer("tests.workerapp", {**cluster.env, "CELERY_LEASE_WEB_TOKEN": TOKEN},
+                       cluster.tmp_path)  # fmt: skip
+    driver = browser()
+    try:
+        driver.get(server.url + "/")
+        field = 'dd[data-field="{}"]'.format
+        assert driver.find_element(By.CSS_SELECTOR, field("taken_over")).text == "1"
+        assert driver.find_element(By.CSS_SELECTOR, field("republished")).text == "1"
+        tasks = {row[0]: row for row in cells(driver, "#tasks tr")}
+        assert tasks["workerapp.sleepy"][7:9] == ["1", "0"]  # taken over, re-published (1h)
+        assert tasks["workerapp.work"][7:9] == ["0", "1"]
+        driver.get(f"{server.url}/run?id={taken}")
+        assert driver.find_element(By.CSS_SELECTOR, field("takeovers")).text.startswith(
+            "1 time, last "
+        )
+        driver.get(f"{server.url}/run?id={swept}")
+        assert driver.find_element(By.CSS_SELECTOR, field("republishes")).text.startswith(
+            "1 time, last "
+        )
+        driver.get(f"{server.url}/task?name=workerapp.work")
+        assert driver.find_element(By.CSS_SELECTOR, field("republished")).text == "1"
+    finally:
+        driver.quit()
+        server.stop()
+
+
+# -- issue 28: the view's edges, over real HTTP (`celery lease web`) -------------------------
+
+
+def _raw(port: int, request: bytes, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as it is on a new connection; the response's status, headers, body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+        length = int(headers.get("content-length", "0"))
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def _get(port: int, path: str, host: str = "127.0.0.1", extra: str = "") -> Any:
+    return _raw(
+        port, f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Connection: close\r\n\r\n".encode()
+    )
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def web_db(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    """A migrated lease database (SQLite, PostgreSQL) and a plain engine on it."""
+    url = str(
+        request.getfixturevalue({"sqlite": "sqlite_url", "postgresql": "pg_url"}[request.param])
+    )
+    store = LeaseStore.from_url(url)
+    store.create_schema()
+    store.dispose()
+    engine = plain_engine(url)
+    yield url, engine
+    engine.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_web_edges_over_real_http(web_db: tuple[str, Any], tmp_path: Path) -> None:
+    """`celery lease web`, read-only, on SQLite and PostgreSQL: a POST announcing 200 MB is
+    refused (413) before its body is read, and a chunked one as soon as it passes 8 KiB;
+    a Host that is not the view's (DNS rebinding) gets 400, `lease_web_hosts` allows one;
+    a NUL in a filter is 400 (not "503 database unavailable"); a 404 carries the
+    security headers; a read-only viewer sees the lease owner as host:pid only."""
+    url, engine = web_db
+    owner = "worker-host:4242:0d1f-secret-owner-token.w1@worker-host"
+    add_run(engine, "shop.charge:ord-1", status="running", lease_owner=owner, created_at=2_000)
+    server = WebServer(
+        "tests.cli_app", {"CL_LEASE_DB": url, "CL_WEB_HOSTS": "leases.example.test"}, tmp_path
+    )
+    try:
+        port = server.port
+        # The body is bounded before it is read: nothing of 200 MB is waited for.
+        started = time.monotonic()
+        status, headers, _ = _raw(
+            port,
+            b"POST /action HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 200000000\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\n\r\n" + b"a=" + b"x" * 1000,
+        )
+        assert status == 413 and time.monotonic() - started < 4.0
+        assert "default-src 'none'" in headers["content-security-policy"]
+        # A chunked body with no length is cut as soon as it passes the bound.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /action HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+                b"Content-Type: application/x-www-form-urlencoded\r\n\r\n"
+            )
+            sent, answer = 0, b""
+            chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+            while sent < 64 * 1024 * 1024:
+                readable, _, _ = select.select([sock], [], [], 0)
+                if readable:
+                    answer = sock.recv(4096)
+                    break
+                try:
+                    sock.sendall(chunk)
+                except OSError:  # the server closed its side: read its answer
+                    answer = sock.recv(4096)
+                    break
+                sent += 65536
+        assert answer.startswith(b"HTTP/1.1 413"), (sent, answer[:80])
+        assert sent < 8 * 1024 * 1024, sent  # refused long before the 64 MB were sent
+        # DNS rebinding: another site's name pointed at 127.0.0.1 reads nothing.
+        status, headers, body = _get(port, "/runs", host=f"rebind.attacker.test:{port}")
+        assert status == 400 and b"ord-1" not in body
+        assert "default-src 'none'" in headers["content-security-policy"]
+        assert _get(port, "/runs", host=f"localhost:{port}")[0] == 200
+        assert _get(port, "/runs", host="leases.example.test")[0] == 200  # lease_web_hosts
+        # A NUL in a filter is the request's fault, whatever the database.
+        for path in ("/runs?task=shop%00x", "/api/runs?key=a%00", "/run?id=x%00", "/task?name=%00"):
+            status, _, body = _get(port, path)
+            assert status == 400, (path, status, body[:200])
+            assert b"navailable" not in body
+        # Every error page carries the security headers.
+        status, headers, _ = _get(port, "/no-such-page")
+        assert status == 404
+        for name in ("content-security-policy", "x-content-type-options", "x-frame-options"):
+            assert name in headers, (name, headers)
+        # A read-only viewer sees host:pid, never the owner's secret part.
+        status, _, body = _get(port, "/run?id=shop.charge:ord-1")
+        assert status == 200 and b"worker-host:4242" in body
+        assert b"secret-owner-token" not in body
+        status, _, body = _get(port, "/api/run?id=shop.charge:ord-1")
+        assert status == 200 and b"secret-owner-token" not in body
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_the_token_shows_the_full_owner_and_hosts_are_validated(
+    lease_db: tuple[str, Any],
+) -> None:
+    """With the token presented (Basic auth) the run page shows the whole lease owner;
+    `lease_web_hosts` is checked like the other settings."""
+    url, engine = lease_db
+    owner = "worker-host:4242:0d1f-secret-owner-token.w1@worker-host"
+    add_run(engine, "shop.charge:ord-9", status="running", lease_owner=owner)
+    c = client(url, token=TOKEN, protect_reads=True)
+    auth = {"Authorization": "Basic " + base64.b64encode(f"u:{TOKEN}".encode()).decode()}
+    assert owner in c.get("/run", params={"id": "shop.charge:ord-9"}, headers=auth).text
+    for bad in ([], "a:80", ["http://x"], [1]):
+        with pytest.raises(ImproperlyConfigured, match="lease_web_hosts"):
+            create_app(celery_app(url, lease_web_hosts=bad))
+    assert create_app(celery_app(url, lease_web_hosts=["*"])) is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -226,3 +227,38 @@ def test_ending_quietly_retries_a_database_error(pg_redis: Cluster, tmp_path: Pa
     assert row is not None and row.failure_code == "ignored" and row.attempt == 1
     assert "could not end run" not in worker.log()
     assert len(pg_redis.effects(run_id, "start")) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_database_outage_logs_the_sweeper_leadership_once_not_each_second(
+    pg_redis: Cluster,
+) -> None:
+    """The lease database refuses writes for 6 s (read-only, sessions terminated) under a
+    worker that leads its sweeper: the leader lease is tried every second, the first
+    failure is one WARNING, the repeats are DEBUG, and the end of the outage is one INFO
+    line with the count (before: one WARNING a second for as long as the outage lasts)."""
+    worker = pg_redis.start("w1")
+    wait_for(lambda: "leads sweeper" in worker.log(), 30, what="the worker to lead its sweeper")
+    set_read_only(pg_redis.db_url, True)
+    try:
+        wait_for(lambda: "leader lease on" in worker.log(), 30, what="the leader lease to fail")
+        time.sleep(6)  # the outage: about six more tries, one a second
+    finally:
+        set_read_only(pg_redis.db_url, False)
+        pg_redis.store.dispose()
+        pg_redis.engine.dispose()
+    found = wait_for(
+        lambda: re.search(
+            r"leader lease on \S+ works again after (\d+) failed tries", worker.log()
+        ),
+        30,
+        what="the end of the outage",
+    )
+    assert int(found.group(1)) >= 4
+    warnings = [
+        line
+        for line in worker.log().splitlines()
+        if "leader lease on" in line and "WARNING" in line
+    ]
+    assert len(warnings) == 1, warnings
+    assert "repeats are logged at DEBUG" in warnings[0]

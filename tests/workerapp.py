@@ -7,6 +7,7 @@ broker queue and lease timings. Each task records what its body did in the
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -29,6 +30,13 @@ if os.environ.get("CL_CLOCK_SKEW"):
     _skew = float(os.environ["CL_CLOCK_SKEW"])
     time.time = lambda: _real_time() + _skew
 
+if os.environ.get("CL_SLOW_TEARDOWN"):
+    # Test-only: this process's teardown takes CL_SLOW_TEARDOWN seconds, as an exporter
+    # flushing at exit does, or the interpreter's own teardown on a loaded machine.
+    import atexit
+
+    atexit.register(time.sleep, float(os.environ["CL_SLOW_TEARDOWN"]))
+
 if os.environ.get("CL_STALL_HEARTBEAT"):
     # Test-only: every heartbeat statement blocks forever, like a read on a
     # blackholed socket. Only the lease's local deadline can save the day.
@@ -40,6 +48,71 @@ if os.environ.get("CL_STALL_HEARTBEAT"):
         threading.Event().wait()
 
     LeaseStore.heartbeat = _stalled_heartbeat  # type: ignore[method-assign,assignment]
+
+if os.environ.get("CL_STALL_SWEEP"):
+    # Test-only: once the file CL_STALL_SWEEP.arm exists, this worker's next fenced sweep
+    # (the in-worker sweeper's) writes the file CL_STALL_SWEEP names, then waits a second
+    # before its first write, so a test can SIGSTOP the worker inside its sweep, after it
+    # confirmed its lead.
+    from pathlib import Path
+
+    from celery_lease.store import LeaseStore as _Store
+
+    _sweep_expired = _Store.sweep_expired
+    _stalled: list[int] = []
+
+    def _stalling_sweep_expired(self: _Store, limit: int = 500, *, leader: Any = None) -> Any:
+        armed = Path(os.environ["CL_STALL_SWEEP"] + ".arm").exists()
+        if leader is not None and armed and not _stalled:
+            _stalled.append(os.getpid())
+            Path(os.environ["CL_STALL_SWEEP"]).write_text(f"{leader.term}\n")
+            time.sleep(1.0)
+        return _sweep_expired(self, limit, leader=leader)
+
+    _Store.sweep_expired = _stalling_sweep_expired  # type: ignore[method-assign]
+
+if os.environ.get("CL_STALL_RENEWAL"):
+    # Test-only: once the file CL_STALL_RENEWAL.arm exists, right after this worker's next
+    # heartbeat statement that renews leases (before the renewal's next round trip), write
+    # the file CL_STALL_RENEWAL names, then wait a second, so a test can SIGSTOP the worker
+    # there, as a frozen VM or a long pause would stop it.
+    import threading
+    from pathlib import Path
+
+    from sqlalchemy import event as _event
+    from sqlalchemy.engine import Engine as _Engine
+
+    _renewal_stalled: list[int] = []
+
+    @_event.listens_for(_Engine, "after_cursor_execute")
+    def _stall_after_renewal(*args: Any) -> None:
+        statement = str(args[2])
+        if (
+            not _renewal_stalled
+            and threading.current_thread().name == "celery-lease-heartbeat"
+            and statement.startswith("UPDATE")
+            and Path(os.environ["CL_STALL_RENEWAL"] + ".arm").exists()
+        ):
+            _renewal_stalled.append(os.getpid())
+            Path(os.environ["CL_STALL_RENEWAL"]).write_text("stalled\n")
+            time.sleep(1.0)
+
+
+if os.environ.get("CL_UNCHECKED_PROGRESS"):
+    # Test-only: progress() keeps what it is handed without the hand-over check, so the
+    # database itself refuses a bad value in the heartbeat's renewal (as a value no
+    # check foresees would be): the renewal of every other run must go on.
+    from celery_lease.lease import progress as _progress
+    from celery_lease.store.records import Progress as _Progress
+
+    def _unchecked_report(self: Any, done: Any, total: Any = None, note: Any = None) -> None:
+        self._latest = _Progress(done, total, note)
+
+    _progress.ProgressReport.report = _unchecked_report  # type: ignore[method-assign]
+
+# Every thread's stack into the worker's log on SIGUSR2 (Celery takes SIGUSR1), written by
+# the C handler even when no Python thread can run: a test that times out asks for them.
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 app = Celery("workerapp")
 app.conf.update(
@@ -114,10 +187,20 @@ if os.environ.get("CL_FS_DIR"):
 if os.environ.get("CL_VISIBILITY_TIMEOUT") and app.conf.broker_url.startswith("redis"):
     # A short visibility timeout makes Redis redeliver unacked (acks_late)
     # messages quickly, reproducing Celery's duplicate deliveries.
+    # kombu keeps unacked messages under keys global to the Redis database, shared
+    # by every test and every run on this server: a worker killed -9 inside its
+    # restore holds the one "unacked_mutex" for 300 s, and no worker anywhere
+    # restores a message meanwhile (seen: runs waiting 120 s for a redelivery).
+    # Each test's queue gets its own keys and a mutex that expires in seconds.
+    _queue = os.environ.get("CL_QUEUE", "celery")
     app.conf.broker_transport_options = {
         "visibility_timeout": float(os.environ["CL_VISIBILITY_TIMEOUT"]),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        "unacked_key": f"{_queue}.unacked",
+        "unacked_index_key": f"{_queue}.unacked_index",
+        "unacked_mutex_key": f"{_queue}.unacked_mutex",
+        "unacked_mutex_expire": 10,
     }
 
 effects_metadata = MetaData()
@@ -127,7 +210,7 @@ effects = Table(
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("run_id", String(255), nullable=False),
     Column("attempt", Integer, nullable=False),
-    Column("kind", String(32), nullable=False),
+    Column("kind", String(255), nullable=False),
     Column("pid", Integer, nullable=False),
     Column("at", Float(precision=53), nullable=False),  # a double: MySQL FLOAT has 4 bytes
 )
@@ -328,6 +411,21 @@ class CrashAfterCommit(LeasedTask):
 def crash_step(self: LeasedTask, x: int) -> int:
     """A canvas step whose worker dies after its completion committed (see CrashAfterCommit):
     records one start, returns x + 1 (kept in the row by the completion)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return x + 1
+
+
+@app.task(base=CrashAfterCommit, bind=True, name="workerapp.big_crash_step")
+def big_crash_step(self: LeasedTask, size: int) -> str:
+    """A chord member whose worker dies after its completion committed (CrashAfterCommit),
+    returning ``size`` characters: over 64 KiB, a result the row does not keep."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    return "x" * size
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.quiet", ignore_result=True)
+def quiet(self: LeasedTask, x: int) -> int:
+    """A task with ``ignore_result``: records its start, returns x + 1 (kept nowhere)."""
     record(self.lease.run_id, self.lease.attempt, "start")
     return x + 1
 
@@ -685,3 +783,345 @@ if os.environ.get("CL_RATE_LIMIT"):
         """Record the body's start; nothing else."""
         record(self.lease.run_id, self.lease.attempt, "start")
         return n
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.tick")
+def tick(self: LeasedTask, entry: str) -> str:
+    """A beat tick: record ``<entry>@<due ms>`` (the slot the tick serves) as its effect."""
+    due = self.request.get("celery_lease_beat_due")
+    record(f"{entry}@{due}", self.lease.attempt, "tick")
+    return str(due)
+
+
+@app.task(bind=True, name="workerapp.plain_tick")
+def plain_tick(self: Any, entry: str) -> str:
+    """A beat tick of a task that is not leased: record ``<entry>@<due ms>``."""
+    due = self.request.get("celery_lease_beat_due")
+    record(f"{entry}@{due}", 0, "tick")
+    return str(due)
+
+
+if os.environ.get("CL_BEAT_SCHEDULE"):
+    # The LeaseScheduler tests: a 1 s interval and a crontab (every minute) of a leased
+    # task, and a 1 s interval of a plain task, each with a per-entry option.
+    from datetime import timedelta
+
+    from celery.schedules import crontab
+
+    app.conf.beat_schedule = {
+        "every-second": {
+            "task": "workerapp.tick",
+            "schedule": 1.0,
+            "args": ("every-second",),
+            "options": {"expires": 60},
+        },
+        "every-minute": {
+            "task": "workerapp.tick",
+            "schedule": crontab(),
+            "args": ("every-minute",),
+        },
+        "plain-every-second": {
+            "task": "workerapp.plain_tick",
+            "schedule": timedelta(seconds=1),
+            "args": ("plain-every-second",),
+            "options": {"priority": 5},
+        },
+    }
+# -- external effects (tests/test_followups.py, tests/chaos/test_chaos_payments.py) -----
+
+provider_charges = Table(
+    "test_provider_charges",
+    effects_metadata,
+    Column("idempotency_key", String(255), primary_key=True),
+    Column("order_id", String(64), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("at", Float(precision=53), nullable=False),
+)
+
+
+def provider_charge(key: str, order_id: str, attempt: int) -> str:
+    """A payment provider that deduplicates on its idempotency key: the first call with a
+    key charges (one row), a later one with the same key returns that charge. It commits
+    on its own, outside any lease transaction, as an external system does."""
+    from sqlalchemy.exc import IntegrityError
+
+    try:
+        with effects_engine().begin() as conn:
+            conn.execute(
+                insert(provider_charges).values(
+                    idempotency_key=key, order_id=order_id, attempt=attempt, at=time.time()
+                )
+            )
+    except IntegrityError:
+        pass  # seen before: the first charge stands
+    return f"ch_{key}"
+
+
+def _kill_once(point: str, name: str) -> None:
+    """Test-only: with ``CL_KILL_AT=<point>`` (and ``CL_KILL_DIR``, a folder), kill -9 this
+    whole worker the first time ``point`` is reached for ``name`` (a marker file)."""
+    folder = os.environ.get("CL_KILL_DIR")
+    if os.environ.get("CL_KILL_AT") != point or not folder:
+        return
+    try:
+        marker = os.path.join(folder, f"{point}-{name}".replace("/", "_"))
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    record(name, 0, f"killed:{point}")
+    if os.getpid() != _MAIN_PID:
+        os.kill(_MAIN_PID, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("CL_KILL_AT") == "before_publish" or os.environ.get("CL_PUBLISH_DELAY"):
+    # Kill the worker after the follow-ups' transaction committed and the pump took
+    # them, just before the broker would get the first one; or (chaos) wait
+    # CL_PUBLISH_DELAY seconds there, so that random kills land in that window too.
+    from celery_lease import followups as _followups
+
+    _real_publish = _followups.publish
+    _publish_delay = float(os.environ.get("CL_PUBLISH_DELAY") or 0)
+
+    def _publish_or_die(app: Any, row: Any) -> None:
+        _kill_once("before_publish", row.run_id)
+        time.sleep(_publish_delay)
+        _real_publish(app, row)
+
+    _followups.publish = _publish_or_die
+
+
+@app.task(
+    base=LeasedTask, bind=True, name="workerapp.pay", lease_key=lambda order_id, mode="": order_id
+)
+def pay(self: LeasedTask, order_id: str, mode: str = "") -> str:
+    """Charge an order at the provider with the run's idempotency key, then commit the
+    payment and the run's success together. ``mode`` (``+``-separated): ``receipt`` sends
+    ``receipt`` through ``fence(send=)``, ``later`` through ``send_on_commit()`` after the
+    write, ``plain`` sends ``plain_receipt``; ``fail`` raises after the charge on attempt 1.
+    ``CL_KILL_AT=before_commit`` kills the worker between the provider's reply and the
+    commit."""
+    lease = self.lease
+    flags = set(mode.split("+"))
+    key = lease.idempotency_key("charge")
+    record(lease.run_id, lease.attempt, f"key:{key}")
+    provider_charge(key, order_id, lease.attempt)
+    _kill_once("before_commit", lease.run_id)
+    if "slow" in flags:
+        time.sleep(0.3)  # between the provider's reply and the commit (chaos)
+    if "fail" in flags and lease.attempt == 1:
+        raise RuntimeError("failed after the charge")
+    send = [receipt.s(order_id)] if "receipt" in flags else []
+    if "plain" in flags:
+        send.append(plain_receipt.s(order_id))
+    with effects_engine().begin() as conn:
+        sent = lease.fence(conn, complete=True, send=send)
+        record(lease.run_id, lease.attempt, "commit", conn)
+        if "later" in flags:
+            sent += lease.send_on_commit(conn, receipt.s(order_id))
+    for task_id in sent:
+        record(lease.run_id, lease.attempt, f"sent:{task_id}")
+    return key
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.receipt")
+def receipt(self: LeasedTask, order_id: str) -> str:
+    """A leased follow-up: records ``receipt:<order id>`` with its run's success (its run
+    id is the task id the follow-up was published under)."""
+    with effects_engine().begin() as conn:
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, f"receipt:{order_id}", conn)
+    return order_id
+
+
+@app.task(bind=True, name="workerapp.plain_receipt")
+def plain_receipt(self: Any, order_id: str) -> str:
+    """A plain (unleased) follow-up: records ``plain_receipt:<order id>`` under its task id."""
+    record(str(self.request.id), 0, f"plain_receipt:{order_id}")
+    return order_id
+
+
+class _Abort(Exception):
+    """Raised inside a transaction to roll it back."""
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.send_or_not", lease_interrupt=False)
+def send_or_not(self: LeasedTask, order_id: str, how: str, gate: str = "") -> str:
+    """Hand a ``receipt`` to a fenced transaction that does not commit. ``rollback``: the
+    transaction raises after the fence. ``lost``: wait (bounded, without checking the lease)
+    until the file ``gate`` exists, then fence (the test expired the lease meanwhile).
+    Later attempts do nothing."""
+    from pathlib import Path
+
+    lease = self.lease
+    if lease.attempt > 1:
+        record(lease.run_id, lease.attempt, "again")
+        return "again"
+    if how == "rollback":
+        try:
+            with effects_engine().begin() as conn:
+                lease.fence(conn, send=[receipt.s(order_id)])
+                record(lease.run_id, lease.attempt, "written", conn)
+                raise _Abort()
+        except _Abort:
+            record(lease.run_id, lease.attempt, "rolled_back")
+        return "rolled_back"
+    record(lease.run_id, lease.attempt, "waiting")
+    deadline = time.monotonic() + 30
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        with effects_engine().begin() as conn:
+            lease.fence(conn, send=[receipt.s(order_id)])
+            record(lease.run_id, lease.attempt, "written", conn)
+    except LeaseLost:
+        record(lease.run_id, lease.attempt, "refused")
+        raise
+    return "sent"
+
+
+def hostile_values() -> dict[str, tuple[str, Any]]:
+    """What a careless or hostile body hands ``progress()`` and ``checkpoint()``: per name,
+    (``progress_note`` / ``progress_done`` / ``checkpoint``, the value)."""
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    return {
+        "nul_note": ("progress_note", "half\x00way"),
+        "surrogate_note": ("progress_note", "bad \udc80 text"),
+        "huge_note": ("progress_note", "n" * 1_000_000),
+        "huge_done": ("progress_done", 10**400),
+        "nan_done": ("progress_done", float("nan")),
+        "deep_checkpoint": ("checkpoint", deep),
+        "surrogate_checkpoint": ("checkpoint", {"k": "\ud800"}),
+        "surrogate_key_checkpoint": ("checkpoint", {"\udfff": 1}),
+        "huge_checkpoint": ("checkpoint", "c" * 10_000_000),
+        "huge_int_checkpoint": ("checkpoint", 10**5000),
+        "object_checkpoint": ("checkpoint", {"when": object()}),
+    }
+
+
+def hand_over(lease: Any, kind: str) -> None:
+    """Hand ``lease`` the hostile value ``kind`` (see :func:`hostile_values`)."""
+    field, value = hostile_values()[kind]
+    if field == "checkpoint":
+        lease.checkpoint(value)
+    elif field == "progress_note":
+        lease.progress(1, 2, value)
+    else:
+        lease.progress(value)
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.reporter", lease_interrupt=False)
+def reporter(self: LeasedTask, seconds: float, step: float = 0.05) -> str:
+    """An innocent run: report progress (and checkpoint) every ``step`` s for ``seconds``
+    while checking its lease, then commit one fenced effect."""
+    lease = self.lease
+    record(lease.run_id, lease.attempt, "start")
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        lease.progress(i, None, f"step {i} é😀")
+        if i % 10 == 0:
+            lease.checkpoint({"i": i})
+        lease.check()
+        time.sleep(step)
+        i += 1
+    with lease_db_engine().begin() as conn:
+        lease.fence(conn, complete=True)
+        record(lease.run_id, lease.attempt, "commit", conn)
+    return "done"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.hostile", lease_interrupt=False)
+def hostile(self: LeasedTask, kinds: list[str], seconds: float, catch: bool = False) -> str:
+    """Hand each hostile value of ``kinds`` over (recording ``refused:<field>`` when the
+    lease refuses it: re-raised unless ``catch``), keep the lease ``seconds`` more (the
+    heartbeat renews meanwhile), then commit one fenced effect."""
+    lease = self.lease
+    record(lease.run_id, lease.attempt, "start")
+    for kind in kinds:
+        try:
+            hand_over(lease, kind)
+        except LeaseInputError as exc:
+            record(lease.run_id, lease.attempt, f"refused:{exc.field}")
+            if not catch:
+                raise
+        else:
+            record(lease.run_id, lease.attempt, f"accepted:{kind}")
+        lease.check()
+        time.sleep(0.02)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        lease.check()
+        time.sleep(0.05)
+    with lease_db_engine().begin() as conn:
+        lease.fence(conn, complete=True)
+        record(lease.run_id, lease.attempt, "commit", conn)
+    return "done"
+
+
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.auto_kw_capped",
+    autoretry_for=(ValueError,),
+    retry_kwargs={"max_retries": 1, "countdown": 0.1},
+)
+def auto_kw_capped(self: LeasedTask) -> None:
+    """autoretry_for with ``retry_kwargs={"max_retries": 1}``: Celery runs it twice."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise ValueError(f"auto kw capped attempt {self.lease.attempt}")
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.call_capped")
+def call_capped(self: LeasedTask) -> None:
+    """``self.retry(max_retries=1)``: Celery runs it twice."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    try:
+        raise KeyError(f"call capped attempt {self.lease.attempt}")
+    except KeyError as exc:
+        raise self.retry(exc=exc, max_retries=1, countdown=0.1) from exc
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.rated_retry", lease_rate_limit="1/s")
+def rated_retry(self: LeasedTask, n: int, retry: bool = True) -> int:
+    """1/s across every worker: record the start with the retries the body sees, and ask
+    Celery for one retry (no countdown) on the first attempt (when ``retry``)."""
+    lease = self.lease
+    record(lease.run_id, lease.attempt, f"start:{self.request.retries}")
+    if retry and lease.attempt == 1:
+        raise self.retry(countdown=0)
+    return n
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.rated_seq", lease_rate_limit="2/s")
+def rated_seq(self: LeasedTask, n: int) -> int:
+    """2/s across every worker: record ``seq:<n>`` at the start."""
+    record(self.lease.run_id, self.lease.attempt, f"seq:{n}")
+    return n
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.fence_other")
+def fence_other(self: LeasedTask, url: str) -> str:
+    """What a new user writes first: ``fence()`` on an engine of their own, here on the
+    database ``url`` (not the lease database)."""
+    from sqlalchemy import create_engine
+
+    record(self.lease.run_id, self.lease.attempt, "start")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            self.lease.fence(conn)
+    finally:
+        engine.dispose()
+    return "fenced"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.raises")
+def raises(self: LeasedTask, tag: str = "") -> str:
+    """Record a start, then raise ValueError naming ``tag``, on every attempt."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise ValueError(f"boom {tag}")

@@ -6,7 +6,7 @@ group when imported; importing this package imports them all.
 
 from __future__ import annotations
 
-from . import flow, maintenance, runs, top, web
+from . import maintenance, pauses, runs, top, web
 from .common import lease
 
-__all__ = ["flow", "lease", "maintenance", "runs", "top", "web"]
+__all__ = ["lease", "maintenance", "pauses", "runs", "top", "web"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import os
 import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -38,6 +37,7 @@ from ..schema import (
     TABLE_NAME,
 )
 from ..store import LeaseStore, RunNotFound, RunRecord
+from ..store.databases import database_for
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -123,15 +123,14 @@ def _database_url(ctx: click.Context) -> str:
     return url
 
 
-def _sqlite_file(url: str) -> str | None:
-    """The file a SQLite URL names (None for other databases or in-memory)."""
+def _missing_database(url: str) -> str | None:
+    """Why the database ``url`` names does not exist, where its class can tell without
+    connecting (a SQLite file: connecting would create an empty one)."""
     try:
         parsed = make_url(url)
     except ArgumentError:
         return None
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
-        return None
-    return str(parsed.database)
+    return database_for(parsed.get_backend_name()).missing(parsed)
 
 
 def _database_urls(ctx: click.Context) -> list[str]:
@@ -154,13 +153,9 @@ def _open_store(ctx: click.Context, url: str | None = None) -> LeaseStore:
     url = _database_url(ctx) if url is None else url
     shown = safe_url(url)
     ctx.meta[_URL_KEY] = shown
-    path = _sqlite_file(url)
-    if path is not None and not os.path.exists(path):
-        # Connecting would silently create an empty file; say what is wrong instead.
-        raise _Failure(
-            f"lease database {shown}: SQLite file does not exist (check lease_database_url "
-            "and the working directory)"
-        )
+    missing = _missing_database(url)
+    if missing is not None:
+        raise _Failure(f"lease database {shown}: {missing}")
     store = LeaseStore.from_url(url)
     ctx.call_on_close(store.dispose)
     if not store.has_schema():
@@ -265,6 +260,46 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """A duration option in seconds (``--older-than``, ``--since``): ``90s``, ``15m``,
+    ``12h``, ``7d``, ``1d12h``, ``3600``; None when not given."""
+    if value is None:
+        return None
+    seconds = _parse_duration(value.strip().lower())
+    if seconds is None:
+        raise click.BadParameter(
+            f"{value!r} is not a duration: use a number with a unit, e.g. 90s, 15m, 12h, 7d, "
+            "2w or 1d12h (a bare number is seconds)"
+        )
+    if not seconds > 0:
+        raise click.BadParameter(f"{value!r}: the duration must be more than zero")
+    return seconds
+
+
+def _parse_duration(text: str) -> float | None:
+    """Seconds in ``text`` (``7d``, ``1d12h``, ``3600``), or None when it is not a duration."""
+    try:
+        return float(text) if text and text.replace(".", "", 1).isdigit() else _units(text)
+    except ValueError:
+        return None
+
+
+def _units(text: str) -> float | None:
+    total, number = 0.0, ""
+    for char in text:
+        if char.isdigit() or char == ".":
+            number += char
+        elif char in _DURATION_UNITS and number:
+            total += float(number) * _DURATION_UNITS[char]
+            number = ""
+        else:
+            return None
+    return None if number or not text else total
 
 
 # -- the commands -------------------------------------------------------------------

@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 import click
+from celery.exceptions import ImproperlyConfigured
 
 from .. import dberrors
-from ..display import format_duration, format_relative
+from ..display import format_duration, format_relative, leader_text
 from ..errors import LeaseError
 from ..sanitize import safe_url, sanitize
 from ..schema import (
@@ -20,6 +21,7 @@ from ..store import PURGE_BATCH, LeaseStore, RunRecord
 from .common import (
     _database_url,
     _database_urls,
+    _duration,
     _echo_json,
     _open_store,
     _operator_errors,
@@ -123,13 +125,16 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
 
     Runs at once on one database are safe: each takes the database's migration
     lock, so one migrates and the others wait, then find the schema current.
+    No schema change holds lease writes back longer than a tenth of the shortest
+    lease in use (the app's and its tasks' lease_seconds, or a running run's).
     """
     from ..migrations import upgrade
 
     url = _database_url(ctx)
     shown = safe_url(url)
+    shortest = _shortest_lease(ctx, url)
     with dberrors.translated(url):
-        result = upgrade(url, revision, lock_timeout=lock_timeout)
+        result = upgrade(url, revision, lock_timeout=lock_timeout, shortest_lease=shortest)
     if result.adopted:
         click.echo(
             f"{shown}: existing {TABLE_NAME} matches this version; recorded it at revision "
@@ -139,6 +144,21 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
         click.echo(f"{shown}: already at revision {result.after}")
     else:
         click.echo(f"{shown}: migrated {result.before or '(empty)'} -> {result.after}")
+
+
+def _shortest_lease(ctx: click.Context, url: str) -> float | None:
+    """The shortest ``lease_seconds`` of the app and its leased tasks on ``url`` (all of them
+    with ``--database-url``); None when the app's settings cannot be read."""
+    from ..config import LeaseConfig
+    from ..runtime import task_configs
+
+    override = ctx.find_root().meta.get("celery_lease.override") is not None
+    try:
+        configs = [LeaseConfig.from_app(ctx.obj.app), *task_configs(ctx.obj.app)]
+    except ImproperlyConfigured:
+        return None
+    found = [c.lease_seconds for c in configs if override or c.database_url == url]
+    return min(found, default=None)
 
 
 _NOT_RECORDED = (
@@ -179,17 +199,21 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 
 def _stats_of(store: LeaseStore, shown: str) -> dict[str, Any]:
     """``lease stats --json`` of one database."""
-    data = store.stats()
+    data = store.reads.stats()
     now: int = data["now"]
     counts: dict[str, int] = {status: data["counts"].get(status, 0) for status in STATUSES}
     oldest: RunRecord | None = data["oldest_running"]
     try:
-        last = store.last_sweep()
+        last = store.reads.last_sweep()
     except LeaseError:  # no celery_lease_sweeps table yet: `lease migrate` adds it
         last = None
     try:
-        held = store.flow_counts()
-        paused_tasks = store.list_pauses()
+        leaders = store.leaders.list_all()
+    except LeaseError:  # no celery_lease_leaders table yet: `lease migrate` adds it
+        leaders = []
+    try:
+        held = store.flow.flow_counts()
+        paused_tasks = store.flow.list_pauses()
     except LeaseError:  # no flow-control tables yet: `lease migrate` adds them
         held, paused_tasks = None, []
     return {
@@ -221,6 +245,23 @@ def _stats_of(store: LeaseStore, shown: str) -> dict[str, Any]:
         "lease_expired_last_hour": data["lease_expired_recent"],
         "lease_lost_at_workers": None,
         "note": _NOT_RECORDED,
+        "leaders": [
+            {
+                "name": leader.name,
+                "owner": leader.owner,
+                "term": leader.term,
+                "live": leader.live,
+                "text": leader_text(
+                    leader.owner,
+                    leader.term,
+                    leader.acquired_at,
+                    leader.renewed_at,
+                    leader.expires_at,
+                    leader.now,
+                ),
+            }
+            for leader in leaders
+        ],
         "last_sweep": None
         if last is None
         else {
@@ -271,8 +312,8 @@ def _print_stats(data: dict[str, Any]) -> None:
     last = data["last_sweep"]
     if last is None:
         sweep_text = (
-            "never recorded (run beat: `celery -A proj beat`, or a worker with -B; "
-            "or `lease sweep`)"
+            "never recorded (every worker sweeps unless lease_worker_sweeper = False; "
+            "or run `lease sweep`)"
         )
     else:
         sweep_text = (
@@ -294,7 +335,13 @@ def _print_stats(data: dict[str, Any]) -> None:
             f"{data['lease_expired_last_hour']} (runs with failure_code=lease_expired updated "
             "in the last hour; a run re-claimed and finished since no longer carries it)",
         ),
+        ("sweeper", _leader_of(data["leaders"], "sweeper")),
         ("last sweep", sweep_text),
+        *(
+            (leader["name"], leader["text"])
+            for leader in data["leaders"]
+            if leader["name"] != "sweeper"
+        ),
         ("paused", _paused_text(data["flow"])),
         ("held deliveries", _held_text(data["flow"])),
         ("lease lost at workers", f"not recorded: {_NOT_RECORDED}"),
@@ -302,6 +349,14 @@ def _print_stats(data: dict[str, Any]) -> None:
     label_width = max(len(label) for label, _ in facts)
     for label, text in facts:
         click.echo(f"{label.ljust(label_width)}  {text}")
+
+
+def _leader_of(leaders: list[dict[str, Any]], name: str) -> str:
+    """Who leads ``name`` (the in-worker sweeper), for ``lease stats``."""
+    found = next((leader for leader in leaders if leader["name"] == name), None)
+    if found is None:
+        return "no worker has led it (lease_worker_sweeper = False on every worker?)"
+    return str(found["text"])
 
 
 def _paused_text(flow: dict[str, Any]) -> str:
@@ -321,43 +376,6 @@ def _held_text(flow: dict[str, Any]) -> str:
         for h in flow["held"]
     ]
     return "; ".join(held) if held else "none"
-
-
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
-
-
-def _duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
-    """``--older-than`` in seconds: ``90s``, ``15m``, ``12h``, ``7d``, ``1d12h``, ``3600``."""
-    seconds = _parse_duration(value.strip().lower())
-    if seconds is None:
-        raise click.BadParameter(
-            f"{value!r} is not a duration: use a number with a unit, e.g. 90s, 15m, 12h, 7d, "
-            "2w or 1d12h (a bare number is seconds)"
-        )
-    if not seconds > 0:
-        raise click.BadParameter(f"{value!r}: the age must be more than zero")
-    return seconds
-
-
-def _parse_duration(text: str) -> float | None:
-    """Seconds in ``text`` (``7d``, ``1d12h``, ``3600``), or None when it is not a duration."""
-    try:
-        return float(text) if text and text.replace(".", "", 1).isdigit() else _units(text)
-    except ValueError:
-        return None
-
-
-def _units(text: str) -> float | None:
-    total, number = 0.0, ""
-    for char in text:
-        if char.isdigit() or char == ".":
-            number += char
-        elif char in _DURATION_UNITS and number:
-            total += float(number) * _DURATION_UNITS[char]
-            number = ""
-        else:
-            return None
-    return None if number or not text else total
 
 
 def _status_counts(removed: dict[str, int]) -> str:
@@ -411,8 +429,14 @@ def purge(
 
     Live runs (queued, running, retrying) are never deleted. A duplicate
     delivery of a run whose row is gone runs again, as after lease_retention.
+    Follow-up tasks recorded longer ago than --older-than and never published
+    are deleted too, and so are the rate buckets of idle rate keys (whose last
+    slot has passed, whatever --older-than says: they carry nothing). The results
+    kept in succeeded rows for a replay are dropped once the app's result_expires
+    has passed, as the sweep does (the rows stay).
     """
-    from .. import retention
+    from .. import followups, retention
+    from ..runtime import result_format
 
     live = [s for s in statuses if s not in TERMINAL_STATUSES]
     if live:
@@ -437,6 +461,10 @@ def purge(
             throttle=throttle,
         )
     removed = {status: report.removed[status] for status in retention.FINISHED if status in wanted}
+    unsent = followups.purge(store, older_than, dry_run=dry_run)
+    idle_rates = retention.purge_rates(store, None, dry_run=dry_run)
+    expires_ms = result_format(ctx.obj.app).expires_ms
+    expired = retention.expire_results(store, expires_ms, None, dry_run=dry_run)
     if as_json:
         _echo_json(
             {
@@ -446,6 +474,9 @@ def purge(
                 "removed": removed,
                 "total": sum(removed.values()),
                 "batches": report.batches,
+                "unsent_followups": unsent,
+                "idle_rate_keys": idle_rates,
+                "expired_results": expired,
             }
         )
         return
@@ -455,6 +486,22 @@ def purge(
         f"{verb} {total} finished run{'' if total == 1 else 's'} that finished before "
         f"{cutoff} ({_status_counts(removed)})"
     )
+    if unsent:
+        click.echo(
+            f"{verb} {unsent} follow-up task{'' if unsent == 1 else 's'} recorded before "
+            f"{cutoff} and never published"
+        )
+    if idle_rates:
+        click.echo(
+            f"{verb} {idle_rates} idle rate key{'' if idle_rates == 1 else 's'} "
+            "(rate buckets whose last slot has passed)"
+        )
+    if expired and expires_ms is not None:
+        click.echo(
+            f"{'would drop' if dry_run else 'dropped'} {expired} kept result"
+            f"{'' if expired == 1 else 's'} older than result_expires ({expires_ms / 1000:g}s; "
+            "the runs stay)"
+        )
 
 
 class _Progress:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import click
 
-from ..actions import cancel_run, rerun_run
-from ..display import format_duration, format_relative, progress_text
+from ..actions import BULK_BATCH, BULK_STATUSES, cancel_run, rerun_run, rerun_runs
+from ..display import format_duration, format_relative, run_progress_text
 from ..schema import (
     RUNNING,
     STATUSES,
@@ -19,6 +20,7 @@ from .common import (
     RECORD_FIELDS,
     TIME_FIELDS,
     WIDE_HINT,
+    _duration,
     _echo_json,
     _open_store,
     _operator_errors,
@@ -52,7 +54,7 @@ def runs(
     """List runs, newest first."""
     store = _open_store(ctx)
     now = store.now_ms()
-    records = store.list_runs(status=status, task_name=task_name, limit=limit)
+    records = store.reads.list_runs(status=status, task_name=task_name, limit=limit)
     if as_json:
         _echo_json([record_data(r, now) for r in records])
         return
@@ -121,8 +123,14 @@ def show(
     lines.append(("payload", _payload_text(record, data["payload_bytes"])))
     if "payload" in data:
         lines[-1] = ("payload", str(data["payload"]))
-    progress = progress_text(record.progress_done, record.progress_total, record.progress_note)
-    if record.progress_at is not None:
+    progress = run_progress_text(
+        record.status,
+        record.terminal,
+        record.progress_done,
+        record.progress_total,
+        record.progress_note,
+    )
+    if record.progress_at is not None and not record.terminal:
         progress += f"  (written {format_relative(record.progress_at, now)})"
     lines.append(("progress", progress))
     lines.append(("checkpoint", _checkpoint_text(record, data["checkpoint_bytes"], now)))
@@ -185,7 +193,30 @@ def _json_option(value: str | None, kind: type, name: str) -> Any:
 
 
 @lease.command()
-@click.argument("run_id")
+@click.argument("run_id", required=False)
+@click.option(
+    "--task",
+    "task_name",
+    default=None,
+    metavar="NAME",
+    help="Rerun every run of this task in --status (instead of one RUN_ID).",
+)
+@click.option(
+    "--status",
+    type=click.Choice(BULK_STATUSES),
+    default=None,
+    help="With --task: rerun its runs in this status.",
+)
+@click.option(
+    "--since",
+    callback=_duration,
+    default=None,
+    metavar="DURATION",
+    help="With --task: only runs that ended within this long (e.g. 90m, 2h, 1d; DB clock).",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="With --task: say what would be rerun, change nothing."
+)
 @click.option("--force", is_flag=True, help="Also run a succeeded run again.")
 @click.option(
     "--args",
@@ -216,7 +247,11 @@ def _json_option(value: str | None, kind: type, name: str) -> Any:
 @_operator_errors
 def rerun(
     ctx: click.Context,
-    run_id: str,
+    run_id: str | None,
+    task_name: str | None,
+    status: str | None,
+    since: float | None,
+    dry_run: bool,
     force: bool,
     args_json: str | None,
     kwargs_json: str | None,
@@ -234,7 +269,22 @@ def rerun(
     sent again with the same key (or task id). The run's checkpoint is kept,
     so the body resumes from it (self.lease.last_checkpoint), unless
     --from-scratch.
+
+    In bulk: `--task NAME --status cancelled|failed [--since DURATION]` reruns
+    every such run of the task (newest first, each as above; runs without a
+    stored message are left alone and counted); --dry-run says how many and
+    which, changing nothing.
     """
+    if task_name is not None or status is not None or since is not None or dry_run:
+        one_run = (force, args_json, kwargs_json, attempts, from_scratch)
+        _check_bulk(run_id, task_name, status, *one_run)
+        assert task_name is not None and status is not None
+        _rerun_bulk(ctx, task_name, status, since, dry_run)
+        return
+    if run_id is None:
+        raise click.UsageError(
+            "give a RUN_ID, or --task NAME --status cancelled|failed to rerun in bulk"
+        )
     args = _json_option(args_json, list, "--args")
     kwargs = _json_option(kwargs_json, dict, "--kwargs")
     result = rerun_run(
@@ -248,3 +298,50 @@ def rerun(
         from_scratch=from_scratch,
     )
     click.echo(result.message)
+
+
+def _check_bulk(run_id: str | None, task_name: str | None, status: str | None, *one: Any) -> None:
+    """Refuse a bulk rerun's options mixed with a RUN_ID's, or missing --task/--status."""
+    if run_id is not None:
+        raise click.UsageError(
+            "give a RUN_ID or --task/--status (with --since, --dry-run), not both"
+        )
+    if any(one):
+        raise click.UsageError(
+            "--force, --args, --kwargs, --attempts and --from-scratch apply to one RUN_ID, "
+            "not to a bulk rerun (--task)"
+        )
+    if task_name is None or not task_name.strip():
+        raise click.UsageError("a bulk rerun needs --task NAME (and --status cancelled|failed)")
+    if status is None:
+        raise click.UsageError(
+            f"--task {task_name} needs --status cancelled or --status failed: which runs to rerun"
+        )
+
+
+def _rerun_bulk(
+    ctx: click.Context, task_name: str, status: str, since: float | None, dry_run: bool
+) -> None:
+    """``lease rerun --task``: the runs rerun, with progress on stderr past one step."""
+    tty = sys.stderr.isatty()
+    shown = [False]
+
+    def progress(done: int, total: int) -> None:
+        if total <= BULK_BATCH:
+            return
+        shown[0] = True
+        line = f"rerun: {done} of {total} {status} runs of {task_name} handled"
+        click.echo(("\r" + line) if tty else line, nl=not tty, err=True)
+
+    result = rerun_runs(
+        ctx.obj.app,
+        _open_store(ctx),
+        task_name,
+        status,
+        finished_within=since,
+        dry_run=dry_run,
+        progress=progress,
+    )
+    if shown[0] and tty:
+        click.echo("", err=True)
+    click.echo(("dry run: " if dry_run else "") + result.message)

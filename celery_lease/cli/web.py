@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from celery.exceptions import ImproperlyConfigured
 
-from ..config import web_token
+from ..config import web_hosts, web_token
 from .common import _URL_KEY, _Failure, _open_store, _operator_errors, lease
 
 
@@ -19,7 +19,9 @@ def web(ctx: click.Context, host: str, port: int) -> None:
 
     Read-only unless lease_web_token (or CELERY_LEASE_WEB_TOKEN) gives a write token.
     Binds 127.0.0.1 by default; a non-loopback address is refused without a token,
-    and with one every page asks for it. Needs pip install 'celery-lease[web]'.
+    and with one every page asks for it. Only requests whose Host header is a
+    loopback name, the bound address or one of lease_web_hosts are answered.
+    Needs pip install 'celery-lease[web]'.
     """
     from ..web.security import BindRefused, check_bind
 
@@ -27,6 +29,7 @@ def web(ctx: click.Context, host: str, port: int) -> None:
     try:
         token = web_token(app.conf)
         check_bind(host, token)
+        hosts = web_hosts(app.conf)
     except (BindRefused, ImproperlyConfigured) as exc:
         raise _Failure(str(exc)) from None
     try:
@@ -41,11 +44,16 @@ def web(ctx: click.Context, host: str, port: int) -> None:
 
     store = _open_store(ctx)
     public = not is_loopback(host)
-    asgi = create_app(app, token=token, store=store, protect_reads=public)
+    bound = host.lower() if ":" not in host else f"[{host.strip('[]').lower()}]"
+    if public and bound not in ("0.0.0.0", "[::]") and bound not in hosts:
+        hosts = (*hosts, bound)  # the address it is reached at, as well
+    asgi = create_app(app, token=token, store=store, protect_reads=public, hosts=hosts)
     shown = ctx.meta.get(_URL_KEY, "?")
     mode = "read-only" if token is None else "writes need the token"
     if public:
         mode += "; every page asks for the token"
     where = f"[{host}]" if ":" in host else host
     click.echo(f"celery lease web: http://{where}:{port}/ on {shown} ({mode}); Ctrl-C stops")
+    if "*" not in hosts:
+        click.echo(f"answering Host {', '.join(hosts)} only (lease_web_hosts)")
     uvicorn.run(asgi, host=host, port=port, log_level="warning", access_log=False)

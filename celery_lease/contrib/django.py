@@ -96,7 +96,11 @@ def lease_database_url(database: Mapping[str, Any]) -> str:
 
 @contextlib.contextmanager
 def fenced_atomic(
-    lease: Lease | None = None, *, using: str | None = None, complete: bool = True
+    lease: Lease | None = None,
+    *,
+    using: str | None = None,
+    complete: bool = True,
+    send: Any = None,
 ) -> Iterator[None]:
     """``transaction.atomic(using, durable=True)`` that commits only while the lease holds.
 
@@ -110,6 +114,9 @@ def fenced_atomic(
         lease: the lease to fence; default :func:`~celery_lease.current_lease`.
         using: the Django database alias (default ``"default"``).
         complete: record the run succeeded in the same transaction.
+        send: follow-up tasks (a Celery signature or a list of them), recorded in
+            the same transaction and published once Django has committed it
+            (``Lease.fence(send=...)``).
 
     Raises:
         LeaseLost: the lease is no longer held; the block's writes are rolled back.
@@ -133,7 +140,7 @@ def fenced_atomic(
     try:
         with transaction.atomic(using=alias, durable=True):
             yield
-            lease.fence(connection, complete=complete)
+            lease.fence(connection, complete=complete, send=send)
         committed = True
     finally:
         # Django has ended the transaction; tell SQLAlchemy, whose commit and

@@ -7,9 +7,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..events import LOG_ONLY, EventLog
+from ..events import LOG_ONLY, Event, EventLog
 from ..sanitize import describe_exception
-from ..store import HeartbeatResult, LeaseStore
+from ..store import HeartbeatResult, LeaseKey, LeaseStore
+from ..store.records import Progress
 from .lease import Lease
 from .watchdog import block_signals_in_side_thread
 
@@ -23,7 +24,10 @@ class Heartbeat:
     """Renews all registered leases in one statement per tick.
 
     The same statement writes the progress each lease's body reported since
-    the last tick (never a statement of its own).
+    the last tick (never a statement of its own). Should the database refuse
+    that statement while it carries progress, the tick renews every lease
+    without it and writes each run's progress alone, dropping what is still
+    refused for that run only: one run's value never costs another its lease.
 
     The thread starts on the first :meth:`register`. Each tick waits the
     shortest ``heartbeat_interval`` among the registered leases. A database
@@ -102,16 +106,24 @@ class Heartbeat:
         progress = {
             lease.key: reported
             for lease in leases
-            if (reported := lease.pending_progress()) is not None
+            if (reported := lease.report.pending()) is not None
         }
         sent_at = self._clock()
         try:
-            result = self.store.heartbeat((lease.key for lease in leases), progress)
+            try:
+                result = self.store.heartbeat((lease.key for lease in leases), progress)
+            except Exception:
+                if not progress:
+                    raise
+                # One run's progress may be what the database refused: renew every
+                # lease without it, then write each run's progress alone.
+                result = self.store.heartbeat(lease.key for lease in leases)
+                progress = self._isolate(leases, progress)
         except Exception as exc:
             self._failing = True
             error = describe_exception(exc)
             self.events.emit(
-                "heartbeat_error",
+                Event.HEARTBEAT_ERROR,
                 None,
                 "celery-lease heartbeat failed for %d lease(s): %s",
                 len(leases),
@@ -127,7 +139,7 @@ class Heartbeat:
         self._failing = False
         self.last_tick_seconds = self._clock() - sent_at
         self.events.emit(
-            "heartbeat",
+            Event.HEARTBEAT,
             None,
             "renewed %d lease(s) in %.1f ms",
             len(result.renewed),
@@ -146,7 +158,7 @@ class Heartbeat:
                 )
                 if written is not None:
                     self.events.emit(
-                        "progress",
+                        Event.PROGRESS,
                         lease.run_id,
                         "run %s: progress %g/%s written",
                         lease.run_id,
@@ -160,6 +172,37 @@ class Heartbeat:
             else:
                 lease.refused("heartbeat refused: lease taken over, expired or ended")
         return result
+
+    def _isolate(
+        self, leases: list[Lease], progress: dict[LeaseKey, Progress]
+    ) -> dict[LeaseKey, Progress]:
+        """After a batched renewal carrying ``progress`` failed and one without it
+        succeeded: write each run's progress in a statement of its own (a renewal of
+        that lease alone); the progress the database refuses is dropped for its run,
+        which keeps its lease. The progress written, per lease."""
+        written: dict[LeaseKey, Progress] = {}
+        for lease in leases:
+            reported = progress.get(lease.key)
+            if reported is None:
+                continue
+            try:
+                self.store.heartbeat([lease.key], {lease.key: reported})
+            except Exception as exc:
+                lease.report.written(reported)  # never offered again; the next report is
+                error = describe_exception(exc)
+                self.events.emit(
+                    Event.PROGRESS_DROPPED,
+                    lease.run_id,
+                    "run %s: progress dropped, the database refused it: %s",
+                    lease.run_id,
+                    error,
+                    level=logging.WARNING,
+                    task=lease.task_name,
+                    error=error,
+                )
+                continue
+            written[lease.key] = reported
+        return written
 
     def _wait_locked(self, exclude: Lease | None = None) -> float:
         intervals = [
@@ -191,5 +234,5 @@ class Heartbeat:
             except Exception:  # never let the renewer die silently
                 logger.exception(
                     "celery-lease heartbeat tick crashed",
-                    extra={"lease_event": "heartbeat_error", "run_id": None},
+                    extra={"lease_event": Event.HEARTBEAT_ERROR, "run_id": None},
                 )

@@ -16,25 +16,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import json
 import logging
 import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, event
 
 from ..errors import LeaseError, LeaseLost, LeaseUsageError, RunCancelled
-from ..events import LOG_ONLY, EventLog, LeaseState, Transition
-from ..schema import check_progress, encode_checkpoint
-from ..store.records import Progress
+from ..events import LOG_ONLY, Event, EventLog, LeaseState, Transition
+from ..schema import encode_checkpoint
+from ..store import LeaseStore
+from ..store.records import FollowupMessage, Progress
+from . import keys
 from .interrupt import ASYNC_INTERRUPT_SUPPORTED, Interrupter, LeaseInterrupt
+from .progress import ProgressReport
 from .watchdog import Watchdog, process_watchdog
-
-if TYPE_CHECKING:
-    from ..store import LeaseStore
 
 T = TypeVar("T")
 
@@ -55,15 +56,70 @@ _DEADLINE_APPLIES = (LeaseState.HELD, LeaseState.CANCEL_REQUESTED)
 #: How the reason of a loss found by the local deadline begins.
 DEADLINE_PASSED = "local deadline passed"
 
-#: What a lease without tracing opens around its operations: nothing.
-_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+#: What a lease opens around an operation no hook wraps: nothing.
+_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
-class LeaseSpans(Protocol):
-    """What traces a lease's operations (:class:`celery_lease.tracing.AttemptTrace`)."""
+class LeaseHolder(Protocol):
+    """What a lease takes from the delivery that holds it
+    (:class:`~celery_lease.run.delivery.Delivery`; :class:`Standalone` outside a task)."""
 
-    def span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
-        """A ``celery_lease.<name>`` span around the block, ``outcome`` if it returns."""
+    @property
+    def store(self) -> LeaseStore:
+        """The store of the lease's database."""
+        ...
+
+    @property
+    def events(self) -> EventLog:
+        """Where the lease publishes its transitions and events."""
+        ...
+
+    @property
+    def task_name(self) -> str:
+        """The task the lease runs (in its events)."""
+        ...
+
+    @property
+    def followups(self) -> FollowupSender | None:
+        """What records and publishes the follow-up tasks a body hands over (None: none)."""
+        ...
+
+    def around(
+        self, operation: str, outcome: str
+    ) -> contextlib.AbstractContextManager[None] | None:
+        """What to wrap the lease's ``operation`` in (the run hooks' ``around``), or None."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Standalone:
+    """The holder of a lease taken outside a task (tools, tests): a store, events that
+    are only logged unless given, no task name, nothing around its operations."""
+
+    store: LeaseStore
+    events: EventLog = LOG_ONLY
+    task_name: str = ""
+    followups: FollowupSender | None = None
+
+    def around(
+        self, operation: str, outcome: str
+    ) -> contextlib.AbstractContextManager[None] | None:
+        """Nothing."""
+        return None
+
+
+class FollowupSender(Protocol):
+    """What turns a body's follow-up tasks into outbox rows and publishes them once their
+    transaction committed (:class:`celery_lease.followups.Followups`)."""
+
+    def encode(self, run_id: str, attempt: int, first: int, send: Any) -> list[FollowupMessage]:
+        """``send`` (a signature or several) as messages whose task ids start at position
+        ``first``; :class:`~celery_lease.errors.LeaseInputError` before any SQL."""
+        ...
+
+    def committed(self, task_ids: list[str]) -> None:
+        """The transaction that recorded ``task_ids`` is committing: publish them once it
+        has (rows it did not commit are never seen)."""
         ...
 
 
@@ -146,18 +202,20 @@ class Lease:
     Attributes:
         run_id: the run's id (the task id, or the task's ``lease_key``).
         owner: this claim's unique owner string.
-        attempt: the fencing token; hand it to external systems.
+        attempt: the fencing token, for a store that compares it (never an
+            idempotency key: see :meth:`idempotency_key`).
+        generation: the run's generation, as the claim read it: raised only by
+            ``lease rerun --force`` of a succeeded run (:meth:`idempotency_key`).
         max_attempts: the attempt at which the run is out of attempts, as the
             claim read it from the row (0 when not known: the setting decides).
-        events: where its transitions are published: its app's
-            :class:`~celery_lease.events.EventBus` (given by the task), else
-            :data:`~celery_lease.events.LOG_ONLY`.
-        trace: the spans of its operations (``celery-lease[otel]``), or None.
+        holder: the delivery holding the lease (:class:`LeaseHolder`): its store,
+            its app's event bus, its task, and what its hooks wrap operations in.
+        report: the body's progress reports (:class:`ProgressReport`).
     """
 
     def __init__(
         self,
-        store: LeaseStore,
+        holder: LeaseHolder,
         run_id: str,
         owner: str,
         attempt: int,
@@ -169,18 +227,14 @@ class Lease:
         clock: Callable[[], float] = time.monotonic,
         watchdog: Watchdog | None = None,
         max_attempts: int = 0,
-        events: EventLog = LOG_ONLY,
         checkpoint: str | None = None,
-        task_name: str = "",
-        trace: LeaseSpans | None = None,
+        generation: int = 0,
     ) -> None:
-        self.store = store
-        self.task_name = task_name
-        self.events = events
-        self.trace = trace
+        self.holder = holder
         self.run_id = run_id
         self.owner = owner
         self.attempt = attempt
+        self.generation = generation
         self.max_attempts = max_attempts
         self.lease_seconds = lease_seconds
         self.heartbeat_interval = heartbeat_interval
@@ -204,11 +258,29 @@ class Lease:
         self._interrupter = Interrupter(run_id, clock)
         # The latest saved checkpoint (JSON text): the claim's, then this attempt's.
         self._checkpoint = checkpoint
-        # The body's latest progress, and the one a renewal last wrote.
-        self._progress: Progress | None = None
-        self._progress_written: Progress | None = None
+        #: The body's progress reports, written by the heartbeat's renewals.
+        self.report = ProgressReport()
+        # Follow-up tasks: who publishes them, the positions used so far (task ids),
+        # and the transaction this lease fenced last (send_on_commit needs it).
+        self._followups_used = 0
+        self._fenced: Any = None
 
     # -- what the body sees ------------------------------------------------------
+
+    @property
+    def store(self) -> LeaseStore:
+        """The store of the lease's database (the holder's)."""
+        return self.holder.store
+
+    @property
+    def events(self) -> EventLog:
+        """Where this lease's transitions are published (the holder's)."""
+        return self.holder.events
+
+    @property
+    def task_name(self) -> str:
+        """The task this lease runs (the holder's)."""
+        return self.holder.task_name
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -219,6 +291,25 @@ class Lease:
     def state(self) -> LeaseState:
         """Where this lease stands now."""
         return self._state
+
+    def idempotency_key(self, step: str = "") -> str:
+        """The key to give an external system for ``step`` of this run (an
+        ``Idempotency-Key`` header): the same for every attempt of the run.
+
+        Retries, takeovers, sweeps, hand-backs and ``lease rerun`` of a run that did not
+        succeed derive the same key, so a provider that deduplicates on it charges once
+        even when a worker dies between the provider's reply and the commit. It differs
+        for each ``step`` (one per external call of the body), each run, and after
+        ``lease rerun --force`` of a succeeded run (a deliberate second charge). At most
+        255 characters of ``[A-Za-z0-9._:-]``: ``<run id>:<step>:<generation>``, with the
+        run id's SHA-256 in its place when it holds other characters or is too long.
+        No SQL: the generation came with the claim.
+
+        Raises:
+            LeaseInputError: ``step`` is not a str of at most 64 characters of
+                ``[A-Za-z0-9._-]``.
+        """
+        return keys.idempotency_key(self.run_id, self.generation, step)
 
     @property
     def deadline(self) -> float:
@@ -299,7 +390,7 @@ class Lease:
 
     def _checkpoint_saved(self, text: str, *, fenced: bool) -> None:
         self.events.emit(
-            "checkpoint",
+            Event.CHECKPOINT,
             self.run_id,
             "run %s: checkpoint saved (%d characters)",
             self.run_id,
@@ -319,12 +410,7 @@ class Lease:
             LeaseInputError: ``done``/``total`` are not finite numbers, or ``note``
                 is not a string of at most 200 characters.
         """
-        self._progress = Progress(*check_progress(done, total, note))
-
-    def pending_progress(self) -> Progress | None:
-        """The progress a renewal should write now: reported and not written yet."""
-        progress = self._progress
-        return None if progress is self._progress_written else progress
+        self.report.report(done, total, note)
 
     def check(self) -> None:
         """Raise if the lease is gone or the run was cancelled; else return at once.
@@ -349,8 +435,13 @@ class Lease:
         return None
 
     def fence(
-        self, connection: Connection, *, complete: bool = False, checkpoint: Any = _NO_CHECKPOINT
-    ) -> None:
+        self,
+        connection: Connection,
+        *,
+        complete: bool = False,
+        checkpoint: Any = _NO_CHECKPOINT,
+        send: Any = None,
+    ) -> list[str]:
         """Prove, inside ``connection``'s open transaction, that this lease still holds.
 
         Locks the run row until that transaction ends, so writes made in it
@@ -363,19 +454,25 @@ class Lease:
         that transaction too: the writes and the checkpoint commit together
         (exactly once per item); :attr:`last_checkpoint` follows on commit. A
         success clears the checkpoint, so with ``complete=True`` it is checked
-        and not kept.
+        and not kept. ``send``: follow-up tasks (a Celery signature or a list of
+        them), recorded in that transaction and published once it commits, exactly
+        once (see :meth:`send_on_commit`); their task ids are returned.
 
         Raises:
-            LeaseInputError: ``checkpoint`` is not JSON or exceeds 64 KiB (before
-                any SQL runs).
+            LeaseInputError: ``checkpoint`` is not JSON or exceeds 64 KiB, or ``send``
+                holds something that is not a single task's signature, or too much
+                (before any SQL runs).
             LeaseLost: the lease is no longer held, or its local deadline passed
                 (the transaction should roll back).
             LeaseUsageError: ``connection`` is on another database than the
                 lease's, which still holds the lease (the lease stays held).
         """
         text = None if checkpoint is _NO_CHECKPOINT else encode_checkpoint(checkpoint)
+        messages = self._followup_messages(send)
         with self.uninterruptible(), self._span("fence", "completing" if complete else "held"):
-            if self._state is not LeaseState.COMPLETING:
+            if self._state is not LeaseState.COMPLETING and not self._fenced_now(connection):
+                # Hooks of earlier transactions are spent; a second fence in the same
+                # transaction keeps the hooks of the first.
                 self._detach_hooks()
             self.check()
             try:
@@ -390,10 +487,82 @@ class Lease:
             except LeaseLost as exc:
                 self.mark_lost(exc.reason)
                 raise
+            self._fenced = connection.get_transaction()
+            if messages:
+                self._record_followups(connection, messages)
             if complete:
                 self._completing(connection)
             elif text is not None:
                 self._checkpoint_on_commit(connection, text)
+        return [message.task_id for message in messages]
+
+    def _fenced_now(self, connection: Connection) -> bool:
+        """True when ``connection``'s open transaction is the one this lease fenced last."""
+        fenced = self._fenced
+        return fenced is not None and fenced.is_active and connection.get_transaction() is fenced
+
+    def send_on_commit(self, connection: Connection, *signatures: Any) -> list[str]:
+        """Send follow-up tasks once ``connection``'s fenced transaction commits; their
+        task ids.
+
+        Each argument is a Celery signature of one task (``receipt.s(order_id)``,
+        with options such as ``queue`` or ``countdown``). They are recorded in the
+        transaction itself (an outbox row each), so they exist only if its writes
+        commit, and this process publishes them right after the commit. If it dies
+        first, the sweeper publishes them. Each goes out under a task id derived from
+        this run (``<run id>:followup:<attempt>.<n>``), the same on every publish:
+        a ``LeasedTask`` follow-up is then one run, and a second publish of it is
+        dropped by its own lease. Nothing is sent if the transaction rolls back.
+        Call it after ``fence(connection)`` in the same transaction (also after
+        ``fence(connection, complete=True)``), e.g. with an id the writes made.
+
+        Raises:
+            LeaseInputError: an argument is not a single task's signature (a chain,
+                group or chord; a ``task_id`` of its own), does not match its task's
+                arguments, cannot be serialized, or is over 64 KiB; more than 100
+                at once (before any SQL runs).
+            LeaseUsageError: ``connection``'s transaction was not fenced by this lease,
+                or the lease has no app to publish with.
+            LeaseLost: the lease is no longer held (the transaction should roll back).
+        """
+        messages = self._followup_messages(signatures)
+        if not messages:
+            return []
+        if not self._fenced_now(connection):
+            raise LeaseUsageError(
+                f"send_on_commit() on run {self.run_id}: call fence(conn) first, in the same "
+                "transaction, so the follow-ups commit only while this lease holds"
+            )
+        with self.uninterruptible():
+            self.check()
+            self._record_followups(connection, messages)
+        return [message.task_id for message in messages]
+
+    def _followup_messages(self, send: Any) -> list[FollowupMessage]:
+        """The follow-ups ``send`` as outbox messages, checked (no SQL): each takes the
+        next positions of this attempt, so no two share a task id."""
+        if send is None or (isinstance(send, (list, tuple)) and not send):
+            return []
+        sender = self.holder.followups
+        if sender is None:
+            raise LeaseUsageError(
+                f"run {self.run_id}: this lease has no app to publish follow-up tasks with "
+                "(it was not made by a LeasedTask)"
+            )
+        messages = sender.encode(self.run_id, self.attempt, self._followups_used, send)
+        self._followups_used += len(messages)
+        return messages
+
+    def _record_followups(self, connection: Connection, messages: list[FollowupMessage]) -> None:
+        """Insert ``messages`` in ``connection``'s transaction; hand them to the publisher
+        when it commits (a rollback, of it or of a savepoint around them, drops them)."""
+        self.store.outbox.record(connection, self.run_id, messages)
+        sender = self.holder.followups
+        assert sender is not None
+        task_ids = [message.task_id for message in messages]
+        self._on_transaction_end(
+            connection, lambda committed: sender.committed(task_ids) if committed else None
+        )
 
     def transaction(self) -> contextlib.AbstractContextManager[Connection]:
         """``with lease.transaction() as conn:``: the lease database, in a transaction.
@@ -493,7 +662,7 @@ class Lease:
         it wrote ``progress`` when given."""
         transitions: list[Transition | None] = []
         if progress is not None:
-            self._progress_written = progress
+            self.report.written(progress)
         with self._lock:
             state = self._state
             if state in (LeaseState.LOST, LeaseState.CANCELLED):
@@ -619,9 +788,9 @@ class Lease:
         )
 
     def _span(self, name: str, outcome: str) -> contextlib.AbstractContextManager[None]:
-        """The ``celery_lease.<name>`` span of an operation (nothing without tracing)."""
-        trace = self.trace
-        return _NO_SPAN if trace is None else trace.span(name, outcome)
+        """What the holder's hooks wrap the operation ``name`` in (a span), or nothing."""
+        found = self.holder.around(name, outcome)
+        return _NOTHING if found is None else found
 
     # -- state changes (under the lock) ------------------------------------------
 
@@ -656,7 +825,7 @@ class Lease:
             self._watchdog.nudge()  # it delivers once the quiet period ends
         elif interrupter.sent > sent:
             self.events.emit(
-                "interrupt_sent",
+                Event.INTERRUPT_SENT,
                 self.run_id,
                 "run %s attempt %d: interrupt raised in the body (%s)",
                 self.run_id,
@@ -691,57 +860,51 @@ class Lease:
         before another session can see the row again. A savepoint rollback
         counts when the savepoint was open around the fence.
         """
-        enclosing: list[Any] = []
-        nested: Any = connection.get_nested_transaction()
-        while nested is not None:
-            enclosing.append(nested)
-            nested = getattr(nested, "_previous_nested", None)
-        ended = False
+        self._on_transaction_end(
+            connection, lambda committed: self._transaction_ended(committed=committed)
+        )
+
+    def _checkpoint_on_commit(self, connection: Connection, text: str) -> None:
+        """After ``fence(conn, checkpoint=...)``: the checkpoint is this lease's latest once
+        ``connection``'s transaction commits (a rollback, of it or of a savepoint open
+        around the fence, leaves the one before, as in the database)."""
+
+        def ended(committed: bool) -> None:
+            if committed:
+                self._checkpoint = text
+                self._checkpoint_saved(text, fenced=True)
+
+        self._on_transaction_end(connection, ended)
+
+    def _on_transaction_end(self, connection: Connection, ended: Callable[[bool], None]) -> None:
+        """Call ``ended(True)`` when ``connection``'s transaction commits, ``ended(False)``
+        when it, or a savepoint open now around this point, rolls back; once."""
+        enclosing = _open_savepoints(connection)
+        done = False
 
         def on_commit(conn: Connection) -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self._transaction_ended(committed=True)
+            nonlocal done
+            if not done:
+                done = True
+                ended(True)
 
         def on_rollback(conn: Connection) -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self._transaction_ended(committed=False)
+            nonlocal done
+            if not done:
+                done = True
+                ended(False)
 
         def on_rollback_savepoint(conn: Connection, name: str, context: Any) -> None:
-            nonlocal ended
-            if not ended and any(getattr(t, "_savepoint", None) == name for t in enclosing):
-                ended = True
-                self._transaction_ended(committed=False)
+            nonlocal done
+            if not done and any(getattr(t, "_savepoint", None) == name for t in enclosing):
+                done = True
+                ended(False)
 
         for name, fn in (
             ("commit", on_commit),
             ("rollback", on_rollback),
             ("rollback_savepoint", on_rollback_savepoint),
         ):
-            event.listen(connection, name, fn)
-            self._hooks.append((connection, name, fn))
-
-    def _checkpoint_on_commit(self, connection: Connection, text: str) -> None:
-        """After ``fence(conn, checkpoint=...)``: the checkpoint is this lease's latest once
-        ``connection``'s transaction commits (a rollback leaves the one before)."""
-
-        ended = False
-
-        def on_commit(conn: Connection) -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self._checkpoint = text
-                self._checkpoint_saved(text, fenced=True)
-
-        def on_rollback(conn: Connection) -> None:
-            nonlocal ended
-            ended = True
-
-        for name, fn in (("commit", on_commit), ("rollback", on_rollback)):
             event.listen(connection, name, fn)
             self._hooks.append((connection, name, fn))
 
@@ -767,7 +930,7 @@ class Lease:
                 "celery-lease: run %s: could not verify the fenced completion: %s",
                 self.run_id,
                 type(exc).__name__,
-                extra={"lease_event": "verify_error", "run_id": self.run_id},
+                extra={"lease_event": Event.VERIFY_ERROR, "run_id": self.run_id},
             )
             return
         ours = (
@@ -788,10 +951,22 @@ class Lease:
     def _detach_hooks(self) -> None:
         # Never from a hook: SQLAlchemy's dispatch loop cannot lose a listener
         # while it runs. Spent hooks are no-ops until removed here.
+        self._fenced = None
         hooks, self._hooks = self._hooks, []
         for connection, name, fn in hooks:
             with contextlib.suppress(Exception):
                 event.remove(connection, name, fn)
+
+
+def _open_savepoints(connection: Connection) -> list[Any]:
+    """The savepoints open on ``connection`` now, innermost first: a rollback of any of
+    them undoes what is written inside it from here on."""
+    enclosing: list[Any] = []
+    nested: Any = connection.get_nested_transaction()
+    while nested is not None:
+        enclosing.append(nested)
+        nested = getattr(nested, "_previous_nested", None)
+    return enclosing
 
 
 def _warn_no_interrupt() -> None:
@@ -802,5 +977,5 @@ def _warn_no_interrupt() -> None:
             "celery-lease: lease_interrupt needs CPython (this is %s): bodies are not "
             "interrupted; call self.lease.check()",
             platform.python_implementation(),
-            extra={"lease_event": "interrupt_disabled", "run_id": None},
+            extra={"lease_event": Event.INTERRUPT_DISABLED, "run_id": None},
         )

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from ..events import Event
+
 logger = logging.getLogger(__name__)
 
 #: Process-directed signals a side thread must never be the one to receive.
@@ -125,7 +127,7 @@ class Watchdog:
             except Exception:  # never let the watchdog die silently
                 logger.exception(
                     "celery-lease watchdog pass crashed",
-                    extra={"lease_event": "watchdog_error", "run_id": None},
+                    extra={"lease_event": Event.WATCHDOG_ERROR, "run_id": None},
                 )
                 wake = self._clock() + 1.0
             with self._cond:

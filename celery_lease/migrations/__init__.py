@@ -28,11 +28,16 @@ from sqlalchemy import Connection, Engine, create_engine, inspect
 
 from ..errors import LeaseError
 from ..schema import TABLE_NAME, metadata
-from .lock import DEFAULT_LOCK_TIMEOUT, MigrationLockTimeout, migration_lock
+from ..store.bounds import DEFAULT_LEASE_SECONDS, MigrationBounds, shortest_running_lease
+from ..store.database import DDLLockTimeout, MigrationLockTimeout
+from ..store.databases import database_for
+from .online import BOUNDS_OPTION
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
     "VERSION_TABLE",
+    "DDLLockTimeout",
+    "MigrationBounds",
     "MigrationError",
     "MigrationLockTimeout",
     "MigrationResult",
@@ -40,12 +45,16 @@ __all__ = [
     "current",
     "head",
     "include_name",
+    "migration_bounds",
     "schema_differences",
     "upgrade",
 ]
 
 VERSION_TABLE = "celery_lease_alembic_version"
 SCRIPT_LOCATION = str(Path(__file__).resolve().parent)
+
+#: Seconds a ``migrate`` run waits for another one to finish before giving up.
+DEFAULT_LOCK_TIMEOUT = 300.0
 
 
 class MigrationError(LeaseError):
@@ -75,11 +84,17 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     return True
 
 
-def alembic_config(connection: Connection | None = None, url: str | None = None) -> Config:
+def alembic_config(
+    connection: Connection | None = None,
+    url: str | None = None,
+    bounds: MigrationBounds | None = None,
+) -> Config:
     """An Alembic ``Config`` for these migrations, without any ini file.
 
     Pass an open ``connection`` (used as is, inside the caller's transaction)
-    or a ``url`` (``env.py`` then opens its own engine).
+    or a ``url`` (``env.py`` then opens its own engine). ``bounds`` limit how
+    long a schema change may hold lease writes back; without them ``env.py``
+    reads the shortest running lease (:func:`migration_bounds`).
     """
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
@@ -88,7 +103,28 @@ def alembic_config(connection: Connection | None = None, url: str | None = None)
         config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     if connection is not None:
         config.attributes["connection"] = connection
+    if bounds is not None:
+        config.attributes[BOUNDS_OPTION] = bounds
     return config
+
+
+def migration_bounds(
+    connection: Connection, shortest_lease: float | None = None
+) -> MigrationBounds:
+    """How long each schema change may hold lease writes back on ``connection``'s database.
+
+    From the shortest lease in use: ``shortest_lease`` (what the caller knows,
+    e.g. the app's and its tasks' ``lease_seconds``) or the shortest among the
+    runs running now, whichever release's workers hold them, if shorter; the
+    default 30 s lease when neither is known. A transaction the read began is
+    ended (a caller's own is left open).
+    """
+    began = not connection.in_transaction()
+    running = shortest_running_lease(connection)
+    if began and connection.in_transaction():
+        connection.rollback()
+    known = [value for value in (shortest_lease, running) if value is not None]
+    return MigrationBounds.for_lease(min(known) if known else DEFAULT_LEASE_SECONDS)
 
 
 def head() -> str:
@@ -114,34 +150,41 @@ def schema_differences(connection: Connection) -> list[Any]:
 
 
 def upgrade(
-    target: str | Engine, revision: str = "head", *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    target: str | Engine,
+    revision: str = "head",
+    *,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    shortest_lease: float | None = None,
 ) -> MigrationResult:
     """Migrate the lease database at ``target`` (a URL or an engine) to ``revision``.
 
-    Runs under the database's migration lock (see
-    :mod:`celery_lease.migrations.lock`): a run started while another one
-    migrates waits for it (at most ``lock_timeout`` seconds, then
-    :class:`MigrationLockTimeout`), then finds the schema current. Each
-    revision commits on its own (SQLite: all in one transaction), and no
-    statement queues lease writes for long (see
-    :mod:`celery_lease.migrations.online`). Adopts a
-    table that ``create_all`` made (see the module docs); raises
-    :class:`MigrationError` when such a table differs from this version's
-    schema. Driver errors propagate as SQLAlchemy errors.
+    Runs under the database's migration lock
+    (:meth:`~celery_lease.store.database.Database.migration_lock`): a run
+    started while another one migrates waits for it (at most ``lock_timeout``
+    seconds, then :class:`MigrationLockTimeout`), then finds the schema
+    current. Each revision commits on its own (SQLite: all in one
+    transaction). No schema change holds lease writes back longer than a tenth
+    of the shortest lease in use at a time: ``shortest_lease`` seconds, or the
+    shortest lease of a run running now if shorter (see
+    :func:`migration_bounds`, :mod:`celery_lease.migrations.online`); a change
+    that cannot get its lock within that keeps trying, then raises
+    :class:`DDLLockTimeout`. Adopts a table that ``create_all`` made (see the
+    module docs); raises :class:`MigrationError` when such a table differs
+    from this version's schema. Driver errors propagate as SQLAlchemy errors.
     """
     engine = create_engine(target) if isinstance(target, str) else target
+    lock = database_for(engine.dialect.name).migration_lock()
     try:
-        with (
-            engine.connect() as connection,
-            migration_lock(connection).held(connection, lock_timeout) as migrating,
-        ):
-            return _upgrade(migrating, revision)
+        with engine.connect() as connection:
+            bounds = migration_bounds(connection, shortest_lease)
+            with lock.held(connection, lock_timeout) as migrating:
+                return _upgrade(migrating, revision, bounds)
     finally:
         if isinstance(target, str):
             engine.dispose()
 
 
-def _upgrade(connection: Connection, revision: str) -> MigrationResult:
+def _upgrade(connection: Connection, revision: str, bounds: MigrationBounds) -> MigrationResult:
     # Alembic owns the transactions (one per revision) unless the lock already
     # opened one (SQLite), which then holds the whole migration.
     own_transactions = not connection.in_transaction()
@@ -149,7 +192,7 @@ def _upgrade(connection: Connection, revision: str) -> MigrationResult:
     has_runs = inspector.has_table(TABLE_NAME)
     has_history = inspector.has_table(VERSION_TABLE)
     before = current(connection) if has_history else None
-    config = alembic_config(connection)
+    config = alembic_config(connection, bounds=bounds)
     adopted = False
     if has_runs and before is None:
         differences = schema_differences(connection)

@@ -11,13 +11,17 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine
 
-from celery_lease.migrations import VERSION_TABLE, include_name
+from celery_lease.migrations import VERSION_TABLE, include_name, migration_bounds
+from celery_lease.migrations.online import BOUNDS_OPTION
 from celery_lease.schema import metadata
 
 config = context.config
 
 
 def _configure(connection: Connection) -> None:
+    # Given by `lease migrate`, else read from the runs running now (before this run's
+    # own transactions begin).
+    bounds = config.attributes.get(BOUNDS_OPTION) or migration_bounds(connection)
     context.configure(
         connection=connection,
         target_metadata=metadata,
@@ -30,6 +34,8 @@ def _configure(connection: Connection) -> None:
         # Whether migrations may commit and step outside a transaction (see
         # celery_lease.migrations.online); not inside a caller's own transaction.
         celery_lease_own_transactions=not connection.in_transaction(),
+        # How long a change may hold lease writes back (celery_lease.migrations.online).
+        celery_lease_bounds=bounds,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -1,23 +1,28 @@
 """One delivery of a leased task: claim -> body -> outcome.
 
 An :class:`Attempt` is made by ``LeasedTask.__call__`` for each delivery and
-owns everything that delivery needs: the task, its request, config, runtime,
-run id, arguments, the claim and the lease. Nothing of it lives on the task
-class (Celery keeps its per-run machinery off ``Task`` the same way: its
-``Request`` and ``app/trace.py``).
+owns what that delivery changes: its claim, its lease, its outcome, and
+Celery's retry handshake. What the delivery is (task, request, settings, run
+id, hooks) is its :class:`~celery_lease.run.delivery.Delivery`, worked out
+once. Nothing of it lives on the task class (Celery keeps its per-run
+machinery off ``Task`` the same way: its ``Request`` and ``app/trace.py``).
+
+The features a task uses (rate limit, pause, tracing, ...) are its hooks
+(:mod:`celery_lease.hooks`); this module names none of them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any, NoReturn, TypeVar
 
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, TaskPredicate
 
-from .. import flow
 from ..config import LeaseConfig
 from ..errors import (
     LeaseBusy,
@@ -25,17 +30,19 @@ from ..errors import (
     LeaseError,
     LeaseInputError,
     LeaseLost,
+    LeaseUsageError,
     RunCancelled,
 )
-from ..events import EventBus
+from ..events import Event
 from ..lease.interrupt import LeaseInterrupt
 from ..lease.lease import Lease, bind_current
-from ..owner import new_owner
-from ..runtime import Runtime, Traced, app_runtime, runtime_for, shutting_down, worker_id
+from ..requeue import COPY, COPY_HEADER
+from ..runtime import app_runtime, shutting_down
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, FAILED, SUCCEEDED
 from ..store import ClaimResult
-from . import duplicates, outcome, republish, runids
+from . import duplicates, outcome, republish
+from .delivery import Delivery, DeliveryHooks
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +51,51 @@ T = TypeVar("T")
 #: How long a completion may keep retrying a database error, at most.
 COMPLETE_RETRY_SECONDS = 5.0
 
+#: The attempt running in this thread (one per delivery); Celery's retry handshake reads it.
+_current: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
+    "celery_lease_attempt", default=None
+)
+
+
+def current_attempt() -> Attempt | None:
+    """The attempt running in this thread, or None."""
+    return _current.get()
+
+
+def _call(point: Callable[..., T], *args: Any) -> T | None:
+    """``point(*args)``, a hook; a hook that fails otherwise than by ending the delivery
+    (Celery's ``Ignore``/``Reject``/``Retry``) or a lease error fails only itself."""
+    try:
+        return point(*args)
+    except (TaskPredicate, LeaseError):
+        raise
+    except Exception:
+        logger.exception("celery-lease: hook %r failed; the delivery goes on without it", point)
+        return None
+
 
 class Replaced(Ignore):  # type: ignore[misc]
     """``self.replace()`` handed the run's continuation to the replacement."""
+
+
+#: The header of what an attempt sends again after its claim: a copy of a delivery
+#: that claimed the run (a later one under its task id is a duplicate).
+COPIED = {COPY_HEADER: COPY}
+
+#: Errors of the lease's API used wrongly (``fence()`` on another database, a value
+#: that cannot be stored): the same on every attempt, so never retried by the lease.
+USAGE_ERRORS = (LeaseUsageError, LeaseInputError)
+
+
+def failure_code(exc: BaseException) -> str:
+    """The ``failure_code`` a run ended by the body's ``exc`` records: a usage error's own
+    code (``lease_usage_error``, ``lease_input_invalid:<field>``), else
+    ``exception:<class name>``; never the error's text."""
+    if isinstance(exc, LeaseInputError):
+        return exc.failure_code
+    if isinstance(exc, LeaseUsageError):
+        return exc.code
+    return f"exception:{type(exc).__name__}"[:64]
 
 
 def ceiling(config: LeaseConfig, lease: Lease) -> int:
@@ -72,137 +121,183 @@ def seconds_until(when: Any) -> float:
     return 0.0
 
 
-class _Unset:
-    """The type of :data:`_UNSET`: a value not worked out yet."""
-
-
-_UNSET = _Unset()
-
-
 class Attempt:
     """One delivery of a ``LeasedTask``: its claim, its body under the lease, its outcome.
 
     Attributes:
-        task: the bound task.
-        request: the delivery's Celery request context.
-        config: the task's lease settings (``task.lease_config()``).
-        run_id: the run this delivery claims.
-        args: the body's positional arguments.
-        kwargs: the body's keyword arguments.
+        delivery: what the delivery is (task, request, settings, run id, hooks).
         claim: the claim's result, once claimed.
         lease: the lease the body runs under, once the claim took the run.
-        trace: the delivery's spans (``celery-lease[otel]``), or None.
     """
 
-    def __init__(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.task = task
-        self.request = task.request
-        self.config: LeaseConfig = task.lease_config()
-        self.args = args
-        self.kwargs = kwargs
-        self.run_id = runids.run_id_of(task, self.request, args, kwargs)
+    def __init__(
+        self,
+        task: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        config: LeaseConfig,
+        hooks: DeliveryHooks,
+    ) -> None:
+        self.delivery = Delivery(task, args, kwargs, config, hooks)
         self.claim: ClaimResult | None = None
         self.lease: Lease | None = None
-        self.trace: Traced | None = None
-        # Worked out on first use (cheaper than functools.cached_property's lock):
-        # runtime_for may raise, and the claim's error handling decides what then.
-        self._runtime: Runtime | None = None
-        self._concurrency_key: str | _Unset | None = _UNSET
+        # Celery's retry() publishing this delivery's retry, and what the broker said.
+        self._publishing_retry = False
+        self._refused_retry: BaseException | None = None
+        # What a before_claim hook made of the delivery, when one took it away.
+        self._stopped: str | None = None
+        # Celery's retry() found its max_retries spent: a failure now ends the run.
+        self._retries_spent = False
 
     @property
-    def runtime(self) -> Runtime:
-        """The store and heartbeat of the task's lease database in this process."""
-        runtime = self._runtime
-        if runtime is None:
-            runtime = self._runtime = runtime_for(self.task.app, self.config)
-        return runtime
-
-    @property
-    def concurrency_key(self) -> str | None:
-        """The claim's concurrency key (see :func:`~celery_lease.run.runids.concurrency_key`)."""
-        key = self._concurrency_key
-        if isinstance(key, _Unset):
-            key = self._concurrency_key = runids.concurrency_key(
-                str(self.task.name), self.config, self.args, self.kwargs
-            )
-        return key
-
-    @property
-    def events(self) -> EventBus:
-        """The app's event bus (the task's leases and stores use the same one)."""
-        return app_runtime(self.task.app).events
+    def config(self) -> LeaseConfig:
+        """The task's lease settings."""
+        return self.delivery.config
 
     @property
     def direct(self) -> bool:
         """True for a plain function call or an eager ``apply()``: no worker delivery."""
-        return bool(self.request.called_directly or self.request.is_eager)
+        return self.delivery.direct
+
+    # -- Celery's retry handshake ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def publishing_retry(self) -> Iterator[None]:
+        """Around Celery's ``retry()`` of this delivery: a refused publish is kept.
+
+        Celery turns a refused retry publish into ``Reject(requeue=False)``, which
+        would end the run ``failed``. Inside this block ``LeasedTask.apply_async``
+        records the error instead (:meth:`retry_refused`) and Celery raises its
+        ``Retry``; the attempt then records the run ``retrying`` with the retry
+        message, available at the retry's ETA, and the sweeper sends it.
+        """
+        self._refused_retry = None
+        self._publishing_retry = True
+        try:
+            yield
+        finally:
+            self._publishing_retry = False
+
+    @property
+    def publishing(self) -> bool:
+        """True inside :meth:`publishing_retry`: the publish being made is Celery's retry."""
+        return self._publishing_retry
+
+    def retry_refused(self, error: BaseException) -> None:
+        """The broker refused the retry being published (see :meth:`publishing_retry`)."""
+        self._refused_retry = error
+
+    def retries_spent(self) -> None:
+        """Celery's ``retry()`` found ``max_retries`` spent and raised: the body's failure
+        ends the run (``failed``), as Celery ends the task, whatever attempts are left."""
+        self._retries_spent = True
+
+    def _take_refused_retry(self) -> BaseException | None:
+        error, self._refused_retry = self._refused_retry, None
+        return error
 
     # -- claim --------------------------------------------------------------------
 
     def run(self) -> Any:
         """Claim the run, run the body under its lease, record the outcome; the body's result."""
-        task, request, run_id = self.task, self.request, self.run_id
+        token = _current.set(self)
+        try:
+            return self._run()
+        finally:
+            _current.reset(token)
+
+    def _run(self) -> Any:
+        delivery = self.delivery
+        hooks = delivery.hooks
+        if not hooks.begin:
+            return self._claim_and_run()
+        finished = "error"
+        try:
+            result = self._claim_and_run()
+            finished = "succeeded"
+            return result
+        except Ignore:
+            finished = self._outcome("ended")
+            raise
+        except Retry:
+            finished = "retrying"
+            raise
+        except BaseException:
+            finished = self._outcome("failed")
+            raise
+        finally:
+            for hook in hooks.finished:
+                with contextlib.suppress(TaskPredicate, LeaseError):
+                    _call(hook.finished, delivery, finished)
+
+    def _outcome(self, default: str) -> str:
+        """How the delivery ended, for the hooks' ``finished``."""
+        if self._stopped is not None:
+            return self._stopped
+        claim = self.claim
+        if claim is None:
+            return default
+        if claim.outcome != "claimed":
+            return "duplicate" if claim.outcome == "finished" else str(claim.outcome)
+        lease = self.lease
+        if lease is not None and lease.lost:
+            return "lost"
+        if lease is not None and lease.cancel_requested:
+            return "cancelled"
+        return default
+
+    def _claim_and_run(self) -> Any:
+        delivery = self.delivery
+        task, request, run_id = delivery.task, delivery.request, delivery.run_id
+        config = delivery.config
         if not self.direct and shutting_down(task.app):
             # A worker that is shutting down claims nothing new: hand the
             # delivery to a worker that stays (a prefetched message, say).
-            self.events.emit(
-                "handed_on",
+            delivery.events.emit(
+                Event.HANDED_ON,
                 run_id,
                 "run %s: worker shutting down, delivery handed on",
                 run_id,
             )
-            republish.reschedule(self, 0.0, LeaseBusy(run_id, 0.0, "worker shutting down"))
-        config = self.config
-        app_state = app_runtime(task.app)
-        tracing = app_state.tracing
+            republish.reschedule(delivery, 0.0, LeaseBusy(run_id, 0.0, "worker shutting down"))
+        hooks = delivery.hooks
         try:
-            runtime = self.runtime
-            owner = new_owner(request.hostname, worker_id(task.app))
-            if tracing is not None:
-                self.trace = tracing.begin(task.name, run_id, owner)
-            trace = self.trace
-            period = config.rate_period_ms
-            if period is not None and not self.direct and not flow.has_slot(request):
-                # The fleet-wide rate limit: one more statement, only for a limited task.
-                key = runids.rate_key(task.name, config, self.args, self.kwargs)
-                wait_ms, due_ms = runtime.store.reserve_rate(
-                    task.name, key, period, config.rate_burst
-                )
-                if wait_ms > 0:
-                    if trace is not None:
-                        trace.ended("rate_limited")
-                    republish.defer(self, key, wait_ms, due_ms)
+            for hook in hooks.before_claim:
+                stopped = _call(hook.before_claim, delivery)
+                if stopped is not None:
+                    self._stopped = stopped
+                    raise Ignore()
             started_at = time.monotonic()  # before the claim is sent: the lease's local deadline
-            claim = runtime.store.claim(
+            claim = delivery.store.claim(
                 run_id,
-                owner,
+                delivery.owner,
                 task_name=task.name,
                 lease_ms=config.lease_ms,
                 max_attempts=config.max_attempts,
-                concurrency_key=self.concurrency_key,
+                concurrency_key=delivery.concurrency_key,
                 max_concurrency=config.max_concurrency,
                 task_id=request.id,
-                trace_context=None if trace is None else trace.traceparent,
-                **runids.payload(self),
+                **delivery.stored_message(),
+                **delivery.claim_values,
             )
         except (LeaseDatabaseError, LeaseInputError) as exc:
-            if self.trace is not None:
-                self.trace.claim_failed(exc)
+            for hook in hooks.claim_failed:
+                _call(hook.claim_failed, delivery, exc)
             # Fail closed: without a lease the body must not run.
-            republish.on_claim_error(self, exc)
-        if trace is not None:
-            trace.claimed(claim)
+            republish.on_claim_error(delivery, exc)
         self.claim = claim
-        if claim.outcome == "finished":
-            if request.called_directly:
-                return None  # a plain call of a finished run: nothing to do
-            return duplicates.on_finished(self, claim)
-        if claim.outcome == "busy":
-            republish.on_busy(self, claim)
-        if claim.outcome == "paused":
-            republish.on_paused(self, claim)
-        runtime.events.emit(
-            "claimed",
+        if claim.outcome != "claimed":
+            for hook in hooks.refused:
+                _call(hook.refused, delivery, claim)
+            if claim.outcome == "finished":
+                if request.called_directly:
+                    return None  # a plain call of a finished run: nothing to do
+                return duplicates.on_finished(delivery, claim)
+            republish.on_busy(delivery, claim)
+        for hook in hooks.claimed:
+            _call(hook.claimed, delivery, claim)
+        delivery.events.emit(
+            Event.CLAIMED,
             run_id,
             "run %s: claimed attempt %d",
             run_id,
@@ -210,40 +305,39 @@ class Attempt:
             attempt=claim.attempt,
         )
         self.lease = Lease(
-            runtime.store,
+            delivery,
             run_id,
             claim.owner,
             claim.attempt,
             lease_seconds=config.lease_seconds,
             heartbeat_interval=config.heartbeat_interval,
             started_at=started_at,
-            interrupt=config.interrupt and not app_state.green_pool,
+            interrupt=config.interrupt and not app_runtime(task.app).green_pool,
             max_attempts=claim.max_attempts,
-            events=runtime.events,
             checkpoint=claim.checkpoint,
-            task_name=task.name,
-            trace=trace,
+            generation=claim.generation,
         )
         return self._run_body(self.lease)
 
     # -- body -----------------------------------------------------------------------
 
     def _run_body(self, lease: Lease) -> Any:
-        runtime = self.runtime
-        runtime.heartbeat.register(lease)
+        heartbeat = self.delivery.runtime.heartbeat
+        heartbeat.register(lease)
         with bind_current(lease):
             try:
                 return self._body_and_outcome(lease)
             finally:
-                runtime.heartbeat.unregister(lease)
-                if self.trace is not None:
-                    self.trace.end()
+                heartbeat.unregister(lease)
 
     def _body_and_outcome(self, lease: Lease) -> Any:
         try:
             try:
                 try:
-                    result = lease.run_interruptible(self.task.run, *self.args, **self.kwargs)
+                    delivery = self.delivery
+                    result = lease.run_interruptible(
+                        delivery.task.run, *delivery.args, **delivery.kwargs
+                    )
                 except LeaseInterrupt:
                     error = lease.error()
                     if error is None:  # cannot happen: interrupts follow a recorded cause
@@ -253,7 +347,7 @@ class Attempt:
                 if self._completed_by_body(lease):
                     # fence(complete=True) committed: the run succeeded, whatever came after.
                     lease.events.emit(
-                        "completed_then_raised",
+                        Event.COMPLETED_THEN_RAISED,
                         lease.run_id,
                         "run %s: succeeded (recorded by the body; it raised afterwards)",
                         lease.run_id,
@@ -283,7 +377,9 @@ class Attempt:
             self._on_cancelled(lease)
         except Exception as exc:
             self._on_failure(lease, exc)
-        self._complete(lease, outcome.encode_result(self.task.app, result))
+        self._complete(
+            lease, outcome.kept_result(self.delivery.task, self.delivery.request, result)
+        )
         return result
 
     # -- outcome ----------------------------------------------------------------------
@@ -323,7 +419,7 @@ class Attempt:
         if not lease.completed_pending:
             return False
         try:
-            row = self.runtime.store.get(lease.run_id)
+            row = self.delivery.store.get(lease.run_id)
         except LeaseDatabaseError:
             return False
         return (
@@ -339,7 +435,7 @@ class Attempt:
         config = self.config
         lease.mark_lost(exc.reason)
         lease.events.emit(
-            "lost_handled",
+            Event.LOST_HANDLED,
             lease.run_id,
             "%s (policy %s)",
             exc,
@@ -352,14 +448,14 @@ class Attempt:
             raise exc
         # Whoever holds the run now owns its result: write nothing, and let the
         # next claim see the truth (finished: dropped; expired: run again).
-        republish.reschedule(self, republish.backoff_delay(config, 1), exc)
+        republish.reschedule(self.delivery, republish.backoff_delay(config, 1), exc, headers=COPIED)
 
     def _on_cancelled(self, lease: Lease) -> NoReturn:
         try:
             lease.mark_cancelled()
         except LeaseLost as exc:
             self._on_lost(lease, exc)
-        duplicates.mark_revoked(self)
+        duplicates.mark_revoked(self.delivery)
         raise Ignore()
 
     def _on_retry(self, lease: Lease, exc: Retry) -> None:
@@ -369,14 +465,14 @@ class Attempt:
         ``available_at`` = its ETA, the retry as the stored message), so no sweep
         sends the run before then.
         """
-        refused = republish.take_refused_retry()
-        delay = 0.0 if self.request.is_eager else seconds_until(exc.when)
+        refused = self._take_refused_retry()
+        delay = 0.0 if self.delivery.request.is_eager else seconds_until(exc.when)
         cause = exc.exc if isinstance(exc.exc, BaseException) else None
         message = None
         if exc.sig is not None and not self.direct:
-            message = runids.encode(self, dict(exc.sig))
+            message = self.delivery.encode(dict(exc.sig))
         try:
-            self.runtime.store.fail(
+            self.delivery.store.fail(
                 lease.run_id,
                 lease.owner,
                 lease.attempt,
@@ -392,7 +488,7 @@ class Attempt:
             # claims it (or is dropped) like any other delivery.
             lease.mark_lost(lost.reason)
             lease.events.emit(
-                "lost_handled",
+                Event.LOST_HANDLED,
                 lease.run_id,
                 "%s",
                 lost,
@@ -402,7 +498,7 @@ class Attempt:
             raise Ignore() from lost
         except LeaseDatabaseError as db_exc:
             lease.events.emit(
-                "fail_error",
+                Event.FAIL_ERROR,
                 lease.run_id,
                 "run %s: could not record the retry: %s",
                 lease.run_id,
@@ -415,24 +511,24 @@ class Attempt:
                     "celery-lease: could not publish the retry of %s (%s) nor keep it for "
                     "the sweeper: asking the broker to requeue; without acks_late this "
                     "delivery may be lost",
-                    self.request.id,
+                    self.delivery.request.id,
                     describe_exception(refused),
-                    extra={"lease_event": "delivery_lost"},
+                    extra={"lease_event": Event.DELIVERY_LOST},
                 )
                 raise Reject(requeue=True) from refused
         if refused is not None:
             lease.events.emit(
-                "publish_deferred",
+                Event.PUBLISH_DEFERRED,
                 lease.run_id,
                 "run %s: the broker refused the retry of %s (%s); kept in the lease "
                 "database, the sweeper sends it",
                 lease.run_id,
-                self.request.id,
+                self.delivery.request.id,
                 describe_exception(refused),
                 level=logging.WARNING,
             )
         lease.events.emit(
-            "retrying",
+            Event.RETRYING,
             lease.run_id,
             "run %s attempt %d: retry requested, due in %.1fs",
             lease.run_id,
@@ -448,16 +544,25 @@ class Attempt:
         failures = lease.attempt - (last - config.max_attempts)
         # Celery's max_retries, when the task sets one, bounds the body's runs too:
         # whichever of it and lease_max_attempts is reached first ends the run.
-        max_retries = self.task.max_retries
-        spent = lease.attempt >= last or (max_retries is not None and failures > max_retries)
+        max_retries = self.delivery.task.max_retries
+        spent = (
+            self._retries_spent
+            or lease.attempt >= last
+            or (max_retries is not None and failures > max_retries)
+        )
+        # A direct call has nobody to run it again; a usage error would fail the same way
+        # on every attempt; lease_retry_errors = False is Celery's own rule.
+        usage = isinstance(exc, USAGE_ERRORS)
+        if self.direct or usage or not config.retry_errors:
+            spent = True
         retry_in = None if spent else republish.backoff_delay(config, failures)
         try:
-            status = self.runtime.store.fail(
+            status = self.delivery.store.fail(
                 lease.run_id,
                 lease.owner,
                 lease.attempt,
                 error=describe_exception(exc),
-                failure_code=f"exception:{type(exc).__name__}"[:64],
+                failure_code=failure_code(exc),
                 retry_in=retry_in,
             )
         except LeaseLost as lost:
@@ -466,16 +571,16 @@ class Attempt:
             # The failure cannot be recorded; the lease will expire and the run
             # is claimed again then.
             lease.events.emit(
-                "fail_error",
+                Event.FAIL_ERROR,
                 lease.run_id,
                 "run %s: could not record failure: %s",
                 lease.run_id,
                 describe_exception(db_exc),
                 level=logging.WARNING,
             )
-            republish.reschedule(self, config.lease_seconds, exc)
+            republish.reschedule(self.delivery, config.lease_seconds, exc, headers=COPIED)
         lease.events.emit(
-            "failed" if retry_in is None else "retrying",
+            Event.FAILED if retry_in is None else Event.RETRYING,
             lease.run_id,
             "run %s attempt %d/%d raised %s -> %s",
             lease.run_id,
@@ -486,14 +591,14 @@ class Attempt:
             level=logging.WARNING,
             attempt=lease.attempt,
         )
-        if retry_in is None or self.direct:
+        if retry_in is None:
             raise exc
-        republish.publish_again(self, retry_in)
+        republish.publish_again(self.delivery, retry_in, headers=COPIED)
         raise Retry(exc=exc, when=retry_in)
 
     def _release_quietly(self, lease: Lease) -> None:
         try:
-            self.runtime.store.release(lease.run_id, lease.owner, lease.attempt)
+            self.delivery.store.release(lease.run_id, lease.owner, lease.attempt)
         except LeaseError as exc:
             logger.info(
                 "celery-lease: release of %s skipped: %s", lease.run_id, describe_exception(exc)
@@ -513,7 +618,7 @@ class Attempt:
         """
         try:
             self._write(
-                lambda: self.runtime.store.end(
+                lambda: self.delivery.store.end(
                     lease.run_id,
                     lease.owner,
                     lease.attempt,
@@ -531,7 +636,7 @@ class Attempt:
             )
             return
         lease.events.emit(
-            "ended",
+            Event.ENDED,
             lease.run_id,
             "run %s: %s (%s)",
             lease.run_id,

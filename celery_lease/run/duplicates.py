@@ -9,12 +9,15 @@ from celery import states
 from celery.exceptions import Ignore
 
 from ..errors import LeaseDatabaseError, RunFailed
+from ..events import Event
+from ..requeue import callers_publish
+from ..runtime import result_format
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, SUCCEEDED
 from ..store import ClaimResult
-from .outcome import Outcome
+from .delivery import Delivery
+from .outcome import Outcome, result_expired
 from .republish import busy_delay, reschedule
-from .runids import Delivery
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +46,23 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     own_id = delivery.request.id
     # A NULL task id (a direct call, a row from before migration 0002) is nobody's.
     same = claim.task_id is not None and own_id == claim.task_id
+    # The run's own task id published again by a caller (a frozen signature or canvas
+    # applied twice) is answered like another task id: the body does not run, but the
+    # caller's result and its continuation get the run's outcome. A redelivery, or a
+    # copy celery-lease sent, stays a duplicate that writes nothing.
+    applied_again = same and callers_publish(delivery.request)
+    if applied_again:
+        same = False
+        reported = "reported again under its task id (applied again)"
+    else:
+        reported = "" if same else f"its outcome is reported under {own_id}"
     delivery.events.emit(
-        "duplicate_dropped",
+        Event.DUPLICATE_DROPPED,
         claim.run_id,
         "run %s is already %s: delivery dropped%s",
         claim.run_id,
         claim.status,
-        "" if same else f" (its outcome is reported under {own_id})",
+        f" ({reported})" if reported else "",
         status=claim.status,
     )
     if claim.status == CANCELLED:
@@ -58,6 +71,13 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     if claim.status == SUCCEEDED:
         if same:
             return _replay_own(delivery, claim)
+        if applied_again:
+            # Celery's result if it has one, else the row's, or the reason it has none:
+            # nothing stores a result for this id later.
+            meta = _celery_meta(delivery, own_id)
+            if meta is not None and meta.get("status") == states.SUCCESS:
+                return meta.get("result")
+            return _replay_row(delivery, claim)
         return _result_of(delivery, claim)
     if same and _celery_state(delivery, own_id) == states.FAILURE:
         raise Ignore()
@@ -65,39 +85,79 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
 
 
 def _replay_own(delivery: Delivery, claim: ClaimResult) -> Any:
-    """A redelivery of the run's own succeeded delivery: replay the result unless Celery has it."""
+    """A redelivery of the run's own succeeded delivery: replay the result unless Celery has it.
+
+    When the row has no result to replay (too large to keep, never kept, older
+    than ``result_expires``, or of a content type ``result_accept_content``
+    refuses), the delivery fails with :class:`RunFailed` (``result_not_kept``,
+    ``result_expired``, ``result_not_accepted``): Celery stores ``FAILURE``, so
+    the caller, the chord and ``link_error`` resolve instead of waiting for a
+    result nobody will store. Under ``ignore_result`` or without a result
+    backend nobody waits: the delivery is dropped.
+    """
     own_id = delivery.request.id
     if not own_id or _celery_state(delivery, own_id) in states.READY_STATES:
         raise Ignore()
+    return _replay_row(delivery, claim)
+
+
+def _replay_row(delivery: Delivery, claim: ClaimResult) -> Any:
+    """The row's kept result for the run's own task id, or RunFailed saying why there is none."""
+    own_id = delivery.request.id
     found = _row_outcome(delivery, claim.run_id)
-    if found is None or not found.has_result():
-        logger.info(
-            "celery-lease: run %s succeeded; no result kept to replay for task %s: dropped",
-            claim.run_id,
-            own_id,
-        )
-        raise Ignore()
-    if delivery.request.retries < RESULT_WAIT_TRIES and _ended_within(
-        delivery, found, REPLAY_GRACE_SECONDS
+    if (
+        found is not None
+        and delivery.request.retries < RESULT_WAIT_TRIES
+        and _ended_within(delivery, found, REPLAY_GRACE_SECONDS)
     ):
         # The run has just ended: the worker that ran it may be storing the
         # result right now (a redelivery racing it). Look again shortly.
         reschedule(delivery, REPLAY_GRACE_SECONDS / 2, Ignore())
+    if not _asked(delivery):
+        raise Ignore()  # nobody can ask for the result: nothing to resolve
+    if found is None or not found.has_result():
+        raise _not_replayed(
+            claim, "result_not_kept", "it was not kept (over 64 KiB, or not serializable)"
+        )
+    if _expired(delivery, found):
+        raise _not_replayed(claim, "result_expired", "it was kept longer ago than result_expires")
     try:
         result = found.result()
     except Exception as exc:
-        logger.warning(
-            "celery-lease: run %s: stored result not replayed: %s",
-            claim.run_id,
-            describe_exception(exc),
-        )
-        raise Ignore() from None
+        raise _not_replayed(
+            claim, "result_not_accepted", f"it could not be decoded: {describe_exception(exc)}"
+        ) from None
     logger.info(
         "celery-lease: run %s succeeded before Celery stored it: result replayed for task %s",
         claim.run_id,
         own_id,
     )
     return result
+
+
+def _asked(delivery: Delivery) -> bool:
+    """False where nobody can ask for this delivery's result: ``ignore_result`` (on the
+    task or the call) or no result backend."""
+    task = delivery.task
+    if task.ignore_result or delivery.request.ignore_result:
+        return False
+    return result_format(task.app).backend
+
+
+def _not_replayed(claim: ClaimResult, code: str, why: str) -> RunFailed:
+    """What a redelivery reports when the run succeeded but its result cannot be replayed."""
+    text = f"the run succeeded, but Celery has no result for task {claim.task_id} and {why}"
+    logger.warning("celery-lease: run %s: %s: reporting RunFailed(%s)", claim.run_id, text, code)
+    return RunFailed(claim.run_id, code, text)
+
+
+def _expired(delivery: Delivery, found: Outcome) -> bool:
+    """True when the row's result is older than ``result_expires`` (database clock)."""
+    try:
+        now = delivery.runtime.store.now_ms()
+    except LeaseDatabaseError:
+        return False
+    return result_expired(delivery.task.app, found.record, now)
 
 
 def _ended_within(delivery: Delivery, found: Outcome, seconds: float) -> bool:
@@ -136,17 +196,20 @@ def mark_revoked(delivery: Delivery) -> None:
 def _result_of(delivery: Delivery, claim: ClaimResult) -> Any:
     """The run's result for a duplicate: Celery's stored one, else the row's; else it waits.
 
-    It never reports a result it does not have: while neither holds it (a
-    ``replace()`` still running, Celery's ``result_expires`` shorter than
-    ``lease_retention`` and no result kept), the delivery is published again
+    Where nobody can ask for the result (``ignore_result``, no result backend)
+    the delivery is dropped. It never reports a result it does not have: while
+    neither holds it (a ``replace()`` still running, Celery's ``result_expires``
+    passed), the delivery is published again
     like a busy duplicate, at most ``RESULT_WAIT_TRIES`` times, then fails
     with :class:`RunFailed` (``result_unavailable``).
     """
+    if not _asked(delivery):
+        raise Ignore()  # nobody can ask for this delivery's result: nothing to report
     meta = _celery_meta(delivery, claim.task_id)
     if meta is not None and meta.get("status") == states.SUCCESS:
         return meta.get("result")
     found = _row_outcome(delivery, claim.run_id)
-    if found is not None and found.has_result():
+    if found is not None and found.has_result() and not _expired(delivery, found):
         try:
             return found.result()
         except Exception as exc:

@@ -8,14 +8,17 @@ failure code, or ``REVOKED``, through Celery's own backend API
 (``mark_as_done``, ``mark_as_failure``, ``mark_as_revoked``), so the chord
 counter, the chain and ``link_error`` behave as Celery's. The Celery request
 context those need (chord, group, chain, links) is rebuilt from the run's
-stored message; a row's message and result are decoded only with a serializer
-in the app's ``accept_content`` (a row never runs code).
+stored message; a row's message is decoded only with a serializer in the app's
+``accept_content``, its result only under ``result_accept_content`` (else
+``accept_content``, as Celery does): a row never runs code.
 
 The body's return value is kept in the row by the guarded completion itself
-(:func:`encode_result`: the app's ``result_serializer``, at most
-``MAX_RESULT_BYTES``, a content type in ``accept_content``; else not kept). It
-is not cleared with the message on success: a replay may need it until
-``lease_retention`` deletes the row.
+(:func:`kept_result`: the app's ``result_serializer``, at most
+``MAX_RESULT_BYTES``, a content type the result is decoded under; not at all
+under ``ignore_result`` or without a result backend). It is not cleared with
+the message on success: a replay may need it, until Celery's ``result_expires``
+(the sweeper clears it, and an older one is never replayed) or ``lease_retention``
+deletes the row.
 """
 
 from __future__ import annotations
@@ -41,33 +44,54 @@ def encode_result(app: Celery, value: Any) -> tuple[bytes, str] | None:
     """``value`` serialized for the row, ``(bytes, content type)``; None when it is not kept.
 
     Not kept: it does not serialize with the app's ``result_serializer``, it is
-    over ``MAX_RESULT_BYTES``, or its content type is not in ``accept_content``.
+    over ``MAX_RESULT_BYTES``, or its content type is not one a result is decoded
+    under (``result_accept_content``, else ``accept_content``).
     """
-    serializer, accept = result_format(app)
+    fmt = result_format(app)
     try:
-        content_type, _encoding, data = dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+        content_type, _encoding, data = dumps(value, serializer=fmt.serializer)  # type: ignore[no-untyped-call]
     except Exception:
         return None
     if isinstance(data, str):
         data = data.encode("utf-8")
-    if len(data) > MAX_RESULT_BYTES or content_type not in accept:
+    if len(data) > MAX_RESULT_BYTES or content_type not in fmt.accept:
         return None
     return bytes(data), str(content_type)
 
 
+def kept_result(task: Any, request: Any, value: Any) -> tuple[bytes, str] | None:
+    """What the completion keeps in the row for a replay: ``value`` encoded
+    (:func:`encode_result`), or None where nobody can ask for it: ``ignore_result``
+    on the task or the call, or an app without a result backend."""
+    if task.ignore_result or getattr(request, "ignore_result", False):
+        return None
+    if not result_format(task.app).backend:
+        return None
+    return encode_result(task.app, value)
+
+
 def decode_result(app: Celery, data: bytes, content_type: str) -> Any:
-    """A stored result, decoded only with a serializer in ``accept_content``.
+    """A stored result, decoded only under ``result_accept_content`` (``accept_content``
+    when unset, as Celery's result backends do).
 
     Raises:
         MessageNotAccepted: the content type is not accepted; nothing was decoded.
     """
-    accept = result_format(app)[1]
+    accept = result_format(app).accept
     if content_type not in accept:
         raise MessageNotAccepted(
             f"payload_not_accepted: stored result is {content_type!r}, "
-            f"accept_content allows {sorted(accept)}"
+            f"result_accept_content allows {sorted(accept)}"
         )
     return loads(data, content_type, "utf-8", accept=accept)  # type: ignore[no-untyped-call]
+
+
+def result_expired(app: Celery, record: RunRecord, now_ms: int) -> bool:
+    """True when ``record``'s kept result is older than Celery's ``result_expires``
+    (by the database clock ``now_ms``): Celery would no longer have it either."""
+    expires_ms = result_format(app).expires_ms
+    ended = record.finished_at or record.updated_at
+    return expires_ms is not None and ended is not None and now_ms - ended >= expires_ms
 
 
 class NoStoredResult(Exception):
@@ -100,7 +124,7 @@ class Outcome:
 
         Raises:
             NoStoredResult: the row keeps none.
-            MessageNotAccepted: its content type is not in ``accept_content``.
+            MessageNotAccepted: its content type is not in ``result_accept_content``.
         """
         record = self.record
         if record.result is None or record.result_content_type is None:

@@ -1,24 +1,21 @@
 """Sending a delivery again: busy duplicates, claim errors, backoff, the sweeper's copy.
 
-Functions over one delivery (an :class:`~celery_lease.run.attempt.Attempt`, read
-through :class:`~celery_lease.run.runids.Delivery`): they reuse its config, run
-id, concurrency key and store, never work them out again.
+Functions over one :class:`~celery_lease.run.delivery.Delivery`: they reuse its
+config, run id, concurrency key and store, never work them out again. The
+features that hold a delivery back (a pause, the rate limit) send it again
+through :func:`send_again`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator
-from contextvars import ContextVar
 from typing import Any, NoReturn
 
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from .. import flow
 from ..config import LeaseConfig
 from ..errors import (
     LeaseBusy,
@@ -26,10 +23,12 @@ from ..errors import (
     LeaseError,
     LeaseInputError,
 )
+from ..events import Event
+from ..requeue import CALLER, COPY, COPY_HEADER, callers_publish, copy_headers
 from ..sanitize import describe_exception
-from ..schema import HELD_PAUSED, HELD_RATE, RUNNING
+from ..schema import RUNNING
 from ..store import ClaimResult
-from .runids import Delivery, encode
+from .delivery import Delivery
 
 logger = logging.getLogger(__name__)
 
@@ -44,52 +43,6 @@ DB_ERRORS_HEADER = "celery_lease_db_errors"
 
 #: How long a refused re-publish is retried before the delivery is left to the sweeper.
 PUBLISH_RETRY_SECONDS = 3.0
-
-
-#: True while ``LeasedTask.retry`` lets Celery publish the retry of a leased delivery.
-_publishing_retry: ContextVar[bool] = ContextVar("celery_lease_publishing_retry", default=False)
-#: The publish error of a retry the broker refused, until the attempt records the retry.
-_refused_retry: ContextVar[BaseException | None] = ContextVar(
-    "celery_lease_refused_retry", default=None
-)
-
-
-@contextlib.contextmanager
-def retry_publish(leased: bool) -> Iterator[None]:
-    """Around Celery's ``retry()`` of a leased delivery: a refused publish is kept.
-
-    Celery turns a refused retry publish into ``Reject(requeue=False)``, which
-    would end the run ``failed``. Inside this block ``LeasedTask.apply_async``
-    records the error instead (:func:`retry_refused`) and Celery raises its
-    ``Retry``; the attempt then records the run ``retrying`` with the retry
-    message, available at the retry's ETA, and the sweeper sends it.
-    """
-    if not leased:
-        yield
-        return
-    _refused_retry.set(None)
-    token = _publishing_retry.set(True)
-    try:
-        yield
-    finally:
-        _publishing_retry.reset(token)
-
-
-def publishing_retry() -> bool:
-    """True inside :func:`retry_publish`: the publish being made is Celery's retry."""
-    return _publishing_retry.get()
-
-
-def retry_refused(error: BaseException) -> None:
-    """Record that the broker refused the retry being published (see :func:`retry_publish`)."""
-    _refused_retry.set(error)
-
-
-def take_refused_retry() -> BaseException | None:
-    """The refused retry publish of this delivery, if any, forgetting it."""
-    error = _refused_retry.get()
-    _refused_retry.set(None)
-    return error
 
 
 def backoff_delay(config: LeaseConfig, attempt: int) -> float:
@@ -144,11 +97,16 @@ def on_busy(delivery: Delivery, claim: ClaimResult) -> NoReturn:
     # attempt, not a duplicate: it always waits, whatever the busy policy.
     policy = "retry" if claim.reason == "backoff" else config.busy_policy
     delivery.events.emit(
-        "busy",
+        Event.BUSY,
         claim.run_id,
-        "%s: %s",
-        busy,
-        f"retrying in {delay:.2f}s" if policy == "retry" else policy,
+        "celery-lease: delivery %s of %s busy: %s; %s",
+        delivery.request.id,
+        claim.run_id,
+        reason,
+        {
+            "retry": f"sent again, it runs in {delay:.2f}s (lease_busy_policy=retry)",
+            "skip": "dropped, it does not run (lease_busy_policy=skip)",
+        }.get(policy, "failed with LeaseBusy (lease_busy_policy=fail)"),
         retry_in=delay,
         policy=policy,
     )
@@ -183,7 +141,7 @@ def on_claim_error(delivery: Delivery, exc: LeaseDatabaseError | LeaseInputError
     if transient and spent < CLAIM_DB_RETRIES:
         delay = backoff_delay(config, spent + 1)
         events.emit(
-            "claim_error",
+            Event.CLAIM_ERROR,
             run_id,
             "run %s: lease database unavailable (try %d of %d), retrying in %.1fs: %s",
             run_id,
@@ -198,7 +156,7 @@ def on_claim_error(delivery: Delivery, exc: LeaseDatabaseError | LeaseInputError
     status: str | None = None
     if not isinstance(exc, LeaseInputError) or exc.field != "run_id":
         try:
-            status = delivery.runtime.store.end_unclaimed(
+            status = delivery.store.end_unclaimed(
                 run_id,
                 task_name=delivery.task.name,
                 max_attempts=config.max_attempts,
@@ -207,7 +165,7 @@ def on_claim_error(delivery: Delivery, exc: LeaseDatabaseError | LeaseInputError
             )
         except LeaseError as end_exc:
             events.emit(
-                "fail_error",
+                Event.FAIL_ERROR,
                 run_id,
                 "run %s: could not record failure: %s",
                 run_id,
@@ -215,7 +173,7 @@ def on_claim_error(delivery: Delivery, exc: LeaseDatabaseError | LeaseInputError
                 level=logging.WARNING,
             )
     events.emit(
-        "claim_failed",
+        Event.CLAIM_FAILED,
         run_id,
         "run %s: claim failed for good (%s), run is %s: %s",
         run_id,
@@ -247,13 +205,25 @@ def reschedule(
     """Publish this delivery again after ``countdown`` s and drop this one silently.
 
     Dropping with ``Ignore`` writes nothing to the result backend, which a
-    duplicate shares with the run it duplicates. A delivery the broker
-    refuses is kept for the sweeper (see :func:`publish_again`); only when
-    the lease database refuses it too is it rejected with ``requeue=True``,
-    which brings it back only under ``acks_late``.
+    duplicate shares with the run it duplicates. A plain call raises ``cause``.
+    See :func:`send_again`.
     """
     if delivery.direct:
         raise cause
+    send_again(delivery, countdown, **options)
+    raise Ignore()
+
+
+def send_again(delivery: Delivery, countdown: float, **options: Any) -> None:
+    """Publish this delivery again after ``countdown`` s, or leave it to the sweeper.
+
+    A delivery the broker refuses is kept for the sweeper (see
+    :func:`publish_again`); only when the lease database refuses it too is it
+    rejected with ``requeue=True``, which brings it back only under ``acks_late``.
+
+    Raises:
+        Reject: neither the broker nor the lease database took it.
+    """
     try:
         publish_again(delivery, countdown, **options)
     except Exception as exc:
@@ -262,14 +232,18 @@ def reschedule(
             "asking the broker to requeue; without acks_late this delivery may be lost",
             delivery.request.id,
             describe_exception(exc),
-            extra={"lease_event": "delivery_lost"},
+            extra={"lease_event": Event.DELIVERY_LOST},
         )
         raise Reject(requeue=True) from exc
-    raise Ignore()
 
 
-def publish_again(delivery: Delivery, countdown: float, **options: Any) -> None:
+def publish_again(
+    delivery: Delivery, countdown: float, *, retries: int | None = None, **options: Any
+) -> None:
     """Send this delivery again after ``countdown`` s, or leave it to the sweeper.
+
+    ``retries``: the message's ``retries`` (by default one more than this delivery's;
+    a delivery waiting for its rate slot keeps its own).
 
     A refused publish is retried with backoff for up to
     ``PUBLISH_RETRY_SECONDS`` (kombu retries each one briefly as well). Then
@@ -282,12 +256,18 @@ def publish_again(delivery: Delivery, countdown: float, **options: Any) -> None:
     """
     task, request = delivery.task, delivery.request
     countdown = native_delay_countdown(task.app, max(0.0, countdown))
+    # What the copy is: a delivery that never claimed stays the caller's (a used task id
+    # applied again still gets the outcome); one after a claim is a copy (see COPY_HEADER).
+    given = dict(options.pop("headers", None) or {})
+    kind = given.get(COPY_HEADER) or (CALLER if callers_publish(request) else COPY)
+    headers = {**(request.headers or {}), **given}
     signature = task.signature_from_request(
         request,
         request.args,
         request.kwargs,
         countdown=countdown,
-        retries=request.retries + 1,
+        retries=request.retries + 1 if retries is None else retries,
+        headers=copy_headers(headers, kind),
         **options,
     )
     deadline = time.monotonic() + PUBLISH_RETRY_SECONDS
@@ -312,8 +292,8 @@ def keep_for_sweeper(
     request, run_id, events = delivery.request, delivery.run_id, delivery.events
     try:
         config = delivery.config
-        data, content_type = encode(delivery, dict(signature))
-        kept = delivery.runtime.store.keep_delivery(
+        data, content_type = delivery.encode(dict(signature))
+        kept = delivery.store.keep_delivery(
             run_id,
             task_name=delivery.task.name,
             task_id=str(request.id),
@@ -326,7 +306,7 @@ def keep_for_sweeper(
         )
     except Exception as exc:
         events.emit(
-            "keep_error",
+            Event.KEEP_ERROR,
             run_id,
             "delivery %s: could not keep it for the sweeper either: %s",
             request.id,
@@ -336,7 +316,7 @@ def keep_for_sweeper(
         return False
     if kept:
         events.emit(
-            "publish_deferred",
+            Event.PUBLISH_DEFERRED,
             run_id,
             "run %s: the broker refused the re-publish of %s (%s); kept in the lease "
             "database, the sweeper sends it",
@@ -346,108 +326,3 @@ def keep_for_sweeper(
             level=logging.WARNING,
         )
     return kept
-
-
-def on_paused(delivery: Delivery, claim: ClaimResult) -> NoReturn:
-    """The run's task (or its concurrency key) is paused: keep this delivery in the lease
-    database, with its message, and drop it; ``resume`` publishes it again. No attempt is
-    used. A plain call raises :class:`LeaseBusy`."""
-    task, request, run_id = delivery.task, delivery.request, delivery.run_id
-    paused = LeaseBusy(
-        run_id, 0.0, f"{task.name} is paused" + (f": {claim.reason}" if claim.reason else "")
-    )
-    if delivery.direct:
-        raise paused
-    signature = task.signature_from_request(
-        request, request.args, request.kwargs, headers=flow.without_slot(request.headers)
-    )
-    try:
-        data, content_type = encode(delivery, dict(signature))
-        kept = delivery.runtime.store.hold(
-            HELD_PAUSED,
-            task_name=task.name,
-            flow_key=delivery.concurrency_key,
-            run_id=run_id,
-            task_id=str(request.id),
-            payload=data,
-            payload_content_type=content_type,
-        )
-    except LeaseError as exc:
-        delivery.events.emit(
-            "keep_error",
-            run_id,
-            "delivery %s of paused %s: could not keep it (%s); sent again in 1s",
-            request.id,
-            task.name,
-            describe_exception(exc),
-            level=logging.WARNING,
-        )
-        reschedule(delivery, 1.0, exc)
-    if not kept:  # resumed between the claim and the hold: run it now
-        reschedule(delivery, 0.0, paused)
-    delivery.events.emit(
-        "paused",
-        run_id,
-        "run %s: %s paused, delivery %s held until resume",
-        run_id,
-        task.name,
-        request.id,
-        task=task.name,
-        key=delivery.concurrency_key or "",
-    )
-    raise Ignore()
-
-
-def defer(delivery: Delivery, key: str, wait_ms: int, due_ms: int) -> NoReturn:
-    """The task's ``lease_rate_limit`` gave this delivery a slot ``wait_ms`` from now: send it
-    for then, carrying its slot, and drop this one. No attempt is used. Due within
-    ``flow.HORIZON_MS``: re-published with that countdown; later: kept in the lease
-    database and published when due (:class:`~celery_lease.flow.FlowPump`), so no worker
-    holds more than a horizon's worth of ETA messages."""
-    task, request, run_id = delivery.task, delivery.request, delivery.run_id
-    wait = wait_ms / 1000.0
-    delivery.events.emit(
-        "deferred",
-        run_id,
-        "run %s: rate limit %s of %s reached, deferred %.3fs",
-        run_id,
-        delivery.config.rate_limit,
-        task.name,
-        wait,
-        level=logging.DEBUG,
-        task=task.name,
-        key=key,
-        retry_in=wait,
-    )
-    headers = {**(request.headers or {}), flow.SLOT_HEADER: due_ms}
-    over = LeaseBusy(run_id, wait, "rate limit reached")
-    if wait_ms <= flow.HORIZON_MS:
-        reschedule(delivery, wait, over, headers=headers)
-    try:
-        signature = task.signature_from_request(
-            request, request.args, request.kwargs, headers=headers
-        )
-        data, content_type = encode(delivery, dict(signature))
-        store = delivery.runtime.store
-        store.hold(
-            HELD_RATE,
-            task_name=task.name,
-            flow_key=key,
-            run_id=run_id,
-            task_id=str(request.id),
-            payload=data,
-            payload_content_type=content_type,
-            available_at=due_ms,
-        )
-    except LeaseError as exc:
-        delivery.events.emit(
-            "keep_error",
-            run_id,
-            "delivery %s: could not keep it for its rate slot (%s); sent with a countdown",
-            request.id,
-            describe_exception(exc),
-            level=logging.WARNING,
-        )
-        reschedule(delivery, wait, over, headers=headers)
-    flow.pump_for(task.app, delivery.config.database_url, store).wake()
-    raise Ignore()

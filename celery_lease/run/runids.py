@@ -1,8 +1,7 @@
-"""Run ids, concurrency keys and the stored message: what a claim sends.
+"""Run ids, concurrency keys and rate keys: pure functions of a task's settings and a call.
 
-The ``Delivery`` protocol names what the run modules read from an
-:class:`~celery_lease.run.attempt.Attempt`, so :mod:`~celery_lease.run.republish`
-and :mod:`~celery_lease.run.duplicates` take an attempt without importing it.
+:class:`~celery_lease.run.delivery.Delivery` works each out once per delivery;
+``LeasedTask.lease_run_id`` and the worker's revoke receiver use the same functions.
 """
 
 from __future__ import annotations
@@ -11,62 +10,14 @@ import hashlib
 import inspect
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
-
-from kombu.serialization import dumps
+from typing import Any
 
 from ..config import LeaseConfig
 from ..errors import InvalidLeaseKey
-from ..events import EventBus
 from ..requeue import header_run_id
-from ..runtime import Runtime
 
 #: The longest run id the ``id`` column holds; longer ids are hashed (see fit_run_id).
 MAX_RUN_ID_LENGTH = 255
-
-
-class Delivery(Protocol):
-    """What republish and duplicates read from a delivery (an ``Attempt``)."""
-
-    @property
-    def task(self) -> Any:
-        """The bound ``LeasedTask``."""
-
-    @property
-    def request(self) -> Any:
-        """The delivery's Celery request context."""
-
-    @property
-    def config(self) -> LeaseConfig:
-        """The task's lease settings."""
-
-    @property
-    def run_id(self) -> str:
-        """The run this delivery claims."""
-
-    @property
-    def args(self) -> tuple[Any, ...]:
-        """The body's positional arguments."""
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """The body's keyword arguments."""
-
-    @property
-    def runtime(self) -> Runtime:
-        """The store and heartbeat of the task's lease database."""
-
-    @property
-    def concurrency_key(self) -> str | None:
-        """The claim's concurrency key."""
-
-    @property
-    def events(self) -> EventBus:
-        """The app's event bus."""
-
-    @property
-    def direct(self) -> bool:
-        """True for a plain function call or an eager ``apply()``: no worker delivery."""
 
 
 def scoped_run_id(namespace: str, key: Any) -> str:
@@ -128,12 +79,13 @@ def fit_run_id(run_id: str) -> str:
 
 
 def run_id_of(
-    task: Any,
+    task_name: str,
+    config: LeaseConfig,
     request: Any,
     args: tuple[Any, ...] | None = None,
     kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The run id of ``task``'s delivery ``request`` (a Celery request context).
+    """The run id of a delivery ``request`` (a Celery request context) of ``task_name``.
 
     ``namespace:lease_key(*args, **kwargs)`` when the task sets a key (the
     namespace is the task name unless ``lease_namespace`` names a shared one;
@@ -141,12 +93,14 @@ def run_id_of(
     replacement made by ``self.replace()`` inherits the task id but is a new
     run: its id gains ``~replaced-N``.
     """
-    if task.lease_config().key is not None:
+    if config.key is not None:
         if args is None:
             args = tuple(request.args or ())
         if kwargs is None:
             kwargs = dict(request.kwargs or {})
-        run_id = str(task.lease_run_id(*args, **kwargs))
+        run_id = scoped_run_id(
+            config.namespace or task_name, key_value(task_name, config.key, args, kwargs)
+        )
     else:
         rerun = header_run_id(request)  # `lease rerun`: a new task id, the same run
         if rerun is not None:
@@ -181,30 +135,3 @@ def rate_key(
         return ""
     key = key_value(task_name, config.rate_key, args, kwargs)
     return "" if key is None else fit_run_id(str(key))
-
-
-def payload(delivery: Delivery) -> dict[str, Any]:
-    """The delivery's message as Celery would re-send it, for the sweeper.
-
-    What ``signature_from_request`` keeps: task id, chain, chord, group,
-    links, parent/root ids, headers, retries, routing, expiry, time limits.
-    A plain call or an eager ``apply()`` stores none: no sweep may send it
-    to workers.
-    """
-    if delivery.direct:
-        return {"payload": None, "payload_content_type": None}
-    signature = delivery.task.signature_from_request(
-        delivery.request, delivery.args, delivery.kwargs
-    )
-    data, content_type = encode(delivery, dict(signature))
-    return {"payload": data, "payload_content_type": content_type}
-
-
-def encode(delivery: Delivery, message: dict[str, Any]) -> tuple[bytes, str]:
-    """``message`` serialized with the task's serializer: ``(bytes, content type)``."""
-    content_type, _encoding, data = dumps(  # type: ignore[no-untyped-call]
-        message, serializer=delivery.task.serializer or "json"
-    )
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    return data, content_type

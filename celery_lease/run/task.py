@@ -34,17 +34,39 @@ import inspect
 from typing import Any
 
 from celery import Celery, Task
+from celery.exceptions import Reject, Retry
 from celery.utils.serialization import raise_with_context
 from kombu.exceptions import OperationalError
 
 from ..app import install
 from ..config import SETTING_NAMES, LeaseConfig
 from ..errors import InvalidLeaseKey
-from ..lease.lease import Lease, current_lease, current_or_none
+from ..hooks import Hooks, RunHook
+from ..lease.lease import Lease, current_lease
 from ..runtime import app_config, app_runtime
-from . import republish
-from .attempt import Attempt, Replaced, ceiling
+from .attempt import Attempt, Replaced, ceiling, current_attempt
+from .delivery import Delivery, DeliveryHooks
+from .pausing import PausedWork
+from .ratelimit import RateLimit
 from .runids import key_value, scoped_run_id, takes
+
+#: The run path's own features, after the app's (tracing first: its claim span
+#: begins before a rate slot is taken). The rate limit's refusal hook (its slot given
+#: back) runs before the pause's, which ends the delivery.
+RUN_FEATURES: tuple[RunHook[Delivery], ...] = (RateLimit(), PausedWork())
+
+
+def task_hooks(task: Any, config: LeaseConfig) -> DeliveryHooks:
+    """The run hooks of ``task`` with settings ``config``: the app's features and the run
+    path's own, each asked whether the task uses it; kept per app and task."""
+    state = app_runtime(task.app)
+    cached = state.task_hooks.get(task.name)
+    if cached is not None and cached[0] is config:
+        found: DeliveryHooks = cached[1]
+        return found
+    hooks: DeliveryHooks = Hooks.for_task((*state.features, *RUN_FEATURES), task.name, config)
+    state.task_hooks[task.name] = (config, hooks)
+    return hooks
 
 
 class LeasedTask(Task):  # type: ignore[misc]
@@ -144,12 +166,13 @@ class LeasedTask(Task):  # type: ignore[misc]
                 **options,
             )
         except (OperationalError, OSError) as exc:  # the broker, not the message
-            if not republish.publishing_retry():
+            attempt = current_attempt()
+            if attempt is None or not attempt.publishing:
                 raise
             # Celery's retry() publishing its retry: the refusal is recorded, and the
             # attempt keeps the delivery for the sweeper instead of Celery's
             # Reject(requeue=False).
-            republish.retry_refused(exc)
+            attempt.retry_refused(exc)
             return None
 
     def retry(
@@ -165,6 +188,11 @@ class LeasedTask(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's ``retry``, with the lease's attempts as a second bound.
 
+        Celery's own bound holds as Celery applies it: when ``max_retries`` (the
+        task's, ``retry_kwargs``' with ``autoretry_for``, or this call's) is spent,
+        Celery raises ``exc`` (or ``MaxRetriesExceededError``) and the run ends
+        ``failed`` at once, not retried up to ``lease_max_attempts``.
+
         When this claim was the run's last attempt (``lease_max_attempts``), it
         behaves as Celery does when ``max_retries`` is exceeded: ``exc`` (or
         ``MaxRetriesExceededError``) is raised, so the run ends ``failed`` and
@@ -174,7 +202,8 @@ class LeasedTask(Task):  # type: ignore[misc]
         run is recorded ``retrying`` with the retry message, and the sweeper sends
         it at the retry's ETA.
         """
-        lease = current_or_none()
+        attempt = current_attempt()
+        lease = None if attempt is None else attempt.lease
         if lease is not None and lease.attempt >= ceiling(self.lease_config(), lease):
             if exc is not None:
                 raise_with_context(exc)
@@ -185,22 +214,34 @@ class LeasedTask(Task):  # type: ignore[misc]
         # Celery publishes the retry here: no interrupt may land inside kombu.
         with (
             lease.uninterruptible() if lease is not None else contextlib.nullcontext(),
-            republish.retry_publish(lease is not None),
+            attempt.publishing_retry()
+            if attempt is not None and lease is not None
+            else contextlib.nullcontext(),
         ):
-            return super().retry(
-                args,
-                kwargs,
-                exc=exc,
-                throw=throw,
-                eta=eta,
-                countdown=countdown,
-                max_retries=max_retries,
-                **options,
-            )
+            try:
+                return super().retry(
+                    args,
+                    kwargs,
+                    exc=exc,
+                    throw=throw,
+                    eta=eta,
+                    countdown=countdown,
+                    max_retries=max_retries,
+                    **options,
+                )
+            except (Retry, Reject):
+                raise
+            except BaseException:
+                # Celery found its max_retries (the task's, retry_kwargs' or this
+                # call's) spent and raised the error: the run fails now, as in Celery.
+                if attempt is not None:
+                    attempt.retries_spent()
+                raise
 
     def on_replace(self, sig: Any) -> Any:
         """Publish the replacement, then end this run: the replacement owns the rest."""
-        lease = current_or_none()
+        attempt = current_attempt()
+        lease = None if attempt is None else attempt.lease
         if self.request.is_eager or lease is None:
             return super().on_replace(sig)
         with lease.uninterruptible():  # no interrupt inside kombu's publish
@@ -209,12 +250,14 @@ class LeasedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run this delivery leased: one :class:`~celery_lease.run.attempt.Attempt`."""
+        config = self.lease_config()
+        hooks = task_hooks(self, config)
         if self.request.called_directly:
             # A plain function call: no worker request exists, so push one the
             # way Task.__call__ does and run leased, raising instead of retrying.
             self.push_request(args=args, kwargs=kwargs)
             try:
-                return Attempt(self, args, kwargs).run()
+                return Attempt(self, args, kwargs, config, hooks).run()
             finally:
                 self.pop_request()
-        return Attempt(self, args, kwargs).run()
+        return Attempt(self, args, kwargs, config, hooks).run()

@@ -1,62 +1,57 @@
-"""What every database class shares: :class:`Database`, the base the three extend.
+"""The contract every database class fulfils: :class:`Database`, and what they share.
 
 A database object owns, for its database: its SQLAlchemy dialect names and the
-driver extra to install; the engine options that bound every wait
-(:class:`~celery_lease.store.bounds.WaitBounds`); how its driver's errors are
-classified (transient or permanent, and the cause); the SQL of the database
-clock; and the statements that are not the same everywhere: the ``INSERT``
-construct, the claim (one upsert, or a locked read-then-write), the heartbeat's
-renewal, a kept delivery, the key lock of a concurrency-limited claim, the
-sweep's row locks and retention's pick. The store asks the object to do the
-work; it never branches on what the database is.
+driver extra to install; its engines and the options that bound every wait
+(:class:`~celery_lease.store.bounds.WaitBounds`); the checks of its URL made
+before connecting; how its driver's errors are classified (transient or
+permanent, and the cause); the SQL of the database clock; the statements that
+are not the same everywhere (the ``INSERT`` construct, the claim, the
+heartbeat's renewal, a kept delivery, the rate reservation, the key lock of a
+concurrency-limited claim, the sweep's row locks and retention's pick); and its
+schema changes: the lock that serializes ``lease migrate`` runs
+(:class:`MigrationLock`) and how a change waits for its lock without holding
+lease writes back (:class:`OnlineDDL`, bounded by
+:class:`~celery_lease.store.bounds.MigrationBounds`). The store asks the object
+to do the work; it never branches on what the database is.
 
-One module per database (``sqlite``, ``postgresql``, ``mysql``); ``databases``
-keeps them by dialect name. To add a database: a subclass of :class:`Database`
-in a module of its own, registered in :data:`celery_lease.store.databases.DATABASES`.
+:class:`Database` is abstract: it keeps only what every database does the same
+way (the classification skeleton and the error it raises). One module per
+database (``sqlite``, ``postgresql``, ``mysql``) gives everything else;
+``databases`` keeps them by dialect name. To add a database: a subclass of
+:class:`Database` in a module of its own, registered in
+:data:`celery_lease.store.databases.DATABASES`; every abstract method is its to
+write (the helpers below are what two of them share).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import socket
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sqlalchemy
-from sqlalchemy import (
-    Connection,
-    Engine,
-    Table,
-    and_,
-    case,
-    create_engine,
-    delete,
-    func,
-    select,
-    text,
-    update,
-)
+from sqlalchemy import Connection, Engine, Table, func, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL
 from sqlalchemy.schema import CreateColumn
 
-from ..errors import LeaseDatabaseError
-from ..schema import QUEUED, db_now_ms, metadata, rates, runs
-from .bounds import WaitBounds
+from ..errors import LeaseDatabaseError, LeaseError
+from ..schema import QUEUED, metadata, runs
+from .bounds import MigrationBounds, WaitBounds
 from .driver import DriverStatement
-from .sql import (
-    claim_params,
-    claim_upsert,
-    claimable,
-    insert_source,
-    not_paused,
-    reserve_rate,
-    takeover_values,
-)
+from .sql import claim_params, claim_upsert, reserve_rate
 
-#: What a claim returns: the new attempt, its expiry, the attempt ceiling, the checkpoint
-#: and the trace context.
-ClaimRow = tuple[int, int, int, str | None, str | None]
+if TYPE_CHECKING:
+    from alembic.operations import Operations
+
+#: What a claim returns: the new attempt, its expiry, the attempt ceiling, the checkpoint,
+#: the trace context and the generation.
+ClaimRow = tuple[int, int, int, str | None, str | None, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +77,8 @@ def permanent(cause: str) -> Classification:
 CLAIM_CONTENTION = frozenset({"deadlock", "serialization_failure", "duplicate_key"})
 
 
-class UpsertClaim:
-    """The claim as one ``INSERT .. ON CONFLICT`` statement, compiled once per store.
-
-    On an engine in autocommit mode it runs at the driver level
-    (:class:`DriverStatement`); otherwise through SQLAlchemy.
-    """
-
-    def __init__(self, insert: Any, auto: Engine, *, raw: bool) -> None:
-        self.statement = claim_upsert(insert)
-        self._auto = auto
-        self._driver = DriverStatement(auto, self.statement, returns_row=True) if raw else None
+class ClaimPath(Protocol):
+    """How a database claims a run (built once per store by :meth:`Database.claim_path`)."""
 
     def claim(
         self,
@@ -104,94 +90,164 @@ class UpsertClaim:
         """Insert or take over the run (in ``conn``'s transaction if given); the new
         attempt, expiry, attempt ceiling, checkpoint and trace context, or None when it was
         not claimable."""
-        params = claim_params(values, lease_ms, max_attempts)
-        if conn is not None:
-            row = conn.execute(self.statement, params).first()
-        elif self._driver is not None:
-            row = self._driver.execute(params)[1]
-        else:
-            with self._auto.connect() as auto:
-                row = auto.execute(self.statement, params).first()
-        return None if row is None else (int(row[0]), int(row[1]), int(row[2]), row[3], row[4])
 
 
-class LockedClaim:
-    """The claim as a locked read-then-write in one transaction (no ``ON CONFLICT``)."""
+class MigrationLockTimeout(LeaseError):
+    """Another migration held the lock longer than the allowed wait."""
 
-    def __init__(self, insert: Any, engine: Engine) -> None:
-        self._insert = insert
-        self._engine = engine
+    code = "migration_lock_timeout"
 
-    def claim(
-        self,
-        values: dict[str, Any],
-        lease_ms: int,
-        max_attempts: int,
-        conn: Connection | None = None,
-    ) -> ClaimRow | None:
-        """Insert or take over the run (in ``conn``'s transaction if given, else a new one).
-
-        Concurrent first claims of one id can deadlock (both hold the gap lock
-        of the missing row) or collide on the insert; both errors propagate to
-        the store's claim, which retries them as contention.
-        """
-        if conn is None:
-            with self._engine.begin() as own:
-                return self.claim(values, lease_ms, max_attempts, own)
-        current = conn.execute(
-            select(runs.c.attempt).where(runs.c.id == values["id"]).with_for_update()
-        ).first()
-        unpaused = not_paused(values["task_name"], values["concurrency_key"])
-        if current is None:
-            inserted = conn.execute(
-                self._insert(runs).from_select(*insert_source(values, lease_ms))
-            ).rowcount
-            if inserted != 1:
-                return None  # paused
-            attempt = 1
-        else:
-            changed = conn.execute(
-                update(runs)
-                .where(runs.c.id == values["id"], claimable(max_attempts), unpaused)
-                .values(takeover_values(values["lease_owner"], lease_ms, max_attempts, values))
-            ).rowcount
-            if changed != 1:
-                return None
-            attempt = int(current[0]) + 1
-        # The read that returns the expiry also returns the checkpoint and the trace
-        # context: no extra statement.
-        expires, ceiling, checkpoint, trace_context = conn.execute(
-            select(
-                runs.c.lease_expires_at,
-                runs.c.max_attempts,
-                runs.c.checkpoint,
-                runs.c.trace_context,
-            ).where(runs.c.id == values["id"])
-        ).one()
-        return attempt, int(expires), int(ceiling), checkpoint, trace_context
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            f"another `celery lease migrate` held the migration lock for more than "
+            f"{timeout:g} s; try again when it has finished (or raise --lock-timeout)"
+        )
+        self.timeout = timeout
 
 
-class Database:
-    """A server database without ``ON CONFLICT``: the base of the three, and what a
-    database SQLAlchemy speaks but celery-lease does not know gets.
+class DDLLockTimeout(LeaseError):
+    """A schema change found its table's lock held for longer than the migration may keep
+    trying (see :class:`~celery_lease.store.bounds.MigrationBounds`)."""
 
-    Its statements are the portable ones: the claim and a kept delivery are
-    locked read-then-write transactions, the heartbeat an ``UPDATE`` then a
-    ``SELECT`` in one transaction, and rows are picked ``FOR UPDATE SKIP LOCKED``.
+    code = "ddl_lock_timeout"
+
+    def __init__(self, bounds: MigrationBounds, tries: int, each: float | None = None) -> None:
+        each = bounds.lock_wait if each is None else each
+        super().__init__(
+            f"a schema change on celery_lease_runs did not get its lock in {bounds.total:g} s "
+            f"({tries} {'try' if tries == 1 else 'tries'} of at most {each:g} s; the shortest "
+            f"lease in use is {bounds.shortest_lease:g} s): a transaction kept the table open; "
+            "the revisions before it are applied, run `lease migrate` again"
+        )
+        self.bounds = bounds
+        self.tries = tries
+
+
+class MigrationLock(abc.ABC):
+    """Serializes ``lease migrate`` runs on one database (one class per database).
+
+    A rolling deploy may start several ``migrate`` runs at once. Each takes this
+    lock before it reads the schema's revision, so the first one migrates and
+    the others wait, then find the schema at head and change nothing. Every
+    wait is bounded: past ``timeout`` seconds :class:`MigrationLockTimeout`.
     """
 
-    def __init__(
-        self, *, names: tuple[str, ...] = (), driver_extra: str = "", clock_sql: str = ""
-    ) -> None:
+    @abc.abstractmethod
+    def acquire(self, connection: Connection, timeout: float) -> None:
+        """Wait at most ``timeout`` s for the lock, as the first statement of the migration."""
+
+    @abc.abstractmethod
+    def release(self, connection: Connection) -> None:
+        """Give the lock up after the migration's transactions ended."""
+
+    @abc.abstractmethod
+    def held(self, connection: Connection, timeout: float) -> AbstractContextManager[Connection]:
+        """Hold the lock on ``connection``; yield the connection to migrate on."""
+
+
+class OnlineDDL(abc.ABC):
+    """How a migration changes ``celery_lease_runs`` without holding lease writes back.
+
+    A DDL statement that waits for a table lock makes every later statement on
+    that table wait behind it: every heartbeat, claim and completion. Each
+    database's class bounds that wait by ``bounds.lock_wait`` (a fraction of the
+    shortest lease in use), pauses ``bounds.pause`` between tries so the writes
+    that queued drain, and gives up after ``bounds.total`` (:class:`DDLLockTimeout`).
+    Built on Alembic's ``operations`` (``op``) of the running migration.
+    """
+
+    def __init__(self, operations: Operations, bounds: MigrationBounds) -> None:
+        self.op = operations
+        self.bounds = bounds
+
+    @abc.abstractmethod
+    def add_column(self, table: str, column: sqlalchemy.Column[Any]) -> None:
+        """Add a nullable column (or one with a constant default)."""
+
+    @abc.abstractmethod
+    def create_index(self, name: str, table: str, columns: Sequence[str]) -> None:
+        """Create an index."""
+
+    @abc.abstractmethod
+    def drop_index(self, name: str, table: str) -> None:
+        """Drop an index."""
+
+    @abc.abstractmethod
+    def bounded(self, change: Callable[[], None]) -> None:
+        """Run ``change`` (one DDL statement) with its lock wait bounded."""
+
+
+class PlainDDL(OnlineDDL):
+    """Plain DDL, run as it comes: SQLite's (the migration holds the file's write lock
+    throughout, so there is no lock to wait for statement by statement), and what an
+    offline (``--sql``) script prints for the operator to run."""
+
+    def add_column(self, table: str, column: sqlalchemy.Column[Any]) -> None:
+        """``ALTER TABLE .. ADD COLUMN``."""
+        self.op.add_column(table, column)
+
+    def create_index(self, name: str, table: str, columns: Sequence[str]) -> None:
+        """``CREATE INDEX``."""
+        self.op.create_index(name, table, list(columns))
+
+    def drop_index(self, name: str, table: str) -> None:
+        """``DROP INDEX``."""
+        self.op.drop_index(name, table_name=table)
+
+    def bounded(self, change: Callable[[], None]) -> None:
+        """Run ``change`` as it is."""
+        change()
+
+
+def retry_ddl(
+    attempt: Callable[[], None],
+    timed_out: Callable[[sa_exc.OperationalError], bool],
+    bounds: MigrationBounds,
+) -> None:
+    """Run ``attempt`` until it does not time out on its lock, ``bounds.pause`` apart, for at
+    most ``bounds.total`` seconds (then :class:`DDLLockTimeout`)."""
+    deadline = time.monotonic() + bounds.total
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            attempt()
+            return
+        except sa_exc.OperationalError as exc:
+            if not timed_out(exc):
+                raise
+            if time.monotonic() + bounds.pause >= deadline:
+                raise DDLLockTimeout(bounds, tries) from exc
+        time.sleep(bounds.pause)
+
+
+def own_transactions(operations: Operations) -> bool:
+    """Whether the running migration may commit and step outside a transaction (set by
+    the migrations' ``env.py``: not inside a caller's own transaction)."""
+    return bool(operations.get_context().opts.get("celery_lease_own_transactions"))
+
+
+def add_column_sql(operations: Operations, table: str, column: sqlalchemy.Column[Any]) -> str:
+    """``ALTER TABLE table ADD COLUMN ..`` for the running migration's dialect."""
+    spec = CreateColumn(column).compile(dialect=operations.get_bind().dialect)
+    return f"ALTER TABLE {table} ADD COLUMN {spec}"
+
+
+class Database(abc.ABC):
+    """What a database must give celery-lease. Abstract: each database's class writes every
+    method that is not the same everywhere, so no database inherits another's statement."""
+
+    def __init__(self, *, names: tuple[str, ...], driver_extra: str, clock_sql: str) -> None:
         #: The SQLAlchemy dialect names this class serves.
         self.names = names
         #: The package extra that installs its driver (``pip install 'celery-lease[x]'``).
         self.driver_extra = driver_extra
-        #: The database clock in epoch milliseconds, as SQL ("" for none: compiling fails).
+        #: The database clock in epoch milliseconds, as SQL.
         self.clock_sql = clock_sql
 
     # -- engines ---------------------------------------------------------------
 
+    @abc.abstractmethod
     def create_engine(self, url: str, bounds: WaitBounds, **kwargs: Any) -> Engine:
         """An engine for lease traffic on ``url``, every wait bounded by ``bounds``.
 
@@ -199,46 +255,44 @@ class Database:
         connection found dead fails that one statement, SQLAlchemy then discards
         the pool, and each caller already retries.
         """
-        connect_args = dict(kwargs.pop("connect_args", {}))
-        return create_engine(
-            make_url(url), connect_args=connect_args, hide_parameters=True, **kwargs
-        )
 
+    @abc.abstractmethod
     def open(self, url: str, bounds: WaitBounds, **kwargs: Any) -> tuple[Engine, Engine | None]:
-        """The store's engines for ``url``: one for transactions, and one of its own for
-        single statements, whose connections stay in autocommit mode (no reset per
-        check-out), or None when single statements share the first one's pool."""
-        engine = self.create_engine(url, bounds, **kwargs)
-        # Autocommit connections never hold a transaction: no reset on check-in.
-        auto_kwargs = {"pool_reset_on_return": None, **kwargs}
-        auto = self.create_engine(url, bounds, isolation_level="AUTOCOMMIT", **auto_kwargs)
-        return engine, auto
+        """The store's engines for ``url``: one for transactions, and one for single
+        statements, or None when single statements share the first one's pool."""
 
+    @abc.abstractmethod
     def single_statements(
         self, engine: Engine, bounds: WaitBounds, given: Engine | None
     ) -> tuple[Engine, bool]:
-        """The engine single statements run on, and whether the hot path may run them at
-        the driver level (:class:`DriverStatement`: its connections are in autocommit mode).
+        """The engine single statements run on (``given``, the one :meth:`open` made, or
+        one made from ``engine``), and whether the hot path may run them at the driver
+        level (:class:`DriverStatement`: its connections commit each statement)."""
 
-        Without an engine of their own (``given``) they borrow ``engine``'s pool in
-        autocommit mode, each check-in then resetting the isolation level.
-        """
-        if given is not None:
-            return given, True
-        return engine.execution_options(isolation_level="AUTOCOMMIT"), False
-
+    @abc.abstractmethod
     def prepare(self, engine: Engine) -> None:
-        """Whatever the database needs before its first task (a server: a migration, run by
-        an operator with ``celery lease migrate``; nothing here)."""
+        """Whatever the database needs before its first task."""
+
+    @abc.abstractmethod
+    def unreachable(self, url: URL) -> str | None:
+        """Why a worker could never reach or create the database ``url`` names, seen
+        without connecting (a missing directory, a host that does not resolve); None when
+        nothing is wrong that way."""
+
+    @abc.abstractmethod
+    def missing(self, url: URL) -> str | None:
+        """Why the database ``url`` names does not exist, when that can be seen without
+        connecting (connecting would create it); None otherwise."""
 
     # -- errors ----------------------------------------------------------------
 
     def classify(self, exc: BaseException) -> Classification:
         """Transient or permanent, and why, for an error raised by SQLAlchemy or this driver.
 
-        The driver's own code decides where this database knows it; otherwise
-        SQLAlchemy's judgement: a connection it invalidated, a pool timeout or an
-        ``OperationalError`` is transient, anything else permanent.
+        The driver's own code decides where this database knows it
+        (:meth:`classify_driver_error`); otherwise SQLAlchemy's judgement: a
+        connection it invalidated, a pool timeout or an ``OperationalError`` is
+        transient, anything else permanent.
         """
         orig = getattr(exc, "orig", None) if isinstance(exc, sa_exc.DBAPIError) else exc
         if isinstance(orig, BaseException):
@@ -261,11 +315,6 @@ class Database:
             return permanent("database_error")
         return permanent("client_error")
 
-    def classify_driver_error(self, orig: BaseException) -> Classification | None:
-        """The class of the driver's error by its code, or None when no code of this
-        database covers it."""
-        return None
-
     def wrap(self, exc: BaseException, name: str) -> LeaseDatabaseError:
         """The :class:`LeaseDatabaseError` the store raises for ``exc`` (``raise ... from exc``).
 
@@ -283,71 +332,46 @@ class Database:
             cause=found.cause,
         )
 
+    @abc.abstractmethod
+    def classify_driver_error(self, orig: BaseException) -> Classification | None:
+        """The class of the driver's error by its code, or None when no code of this
+        database covers it."""
+
+    @abc.abstractmethod
     def lock_wait_ended(self, exc: sa_exc.DBAPIError) -> bool:
         """True when the statement gave up waiting for a row lock (the bounded lock wait)."""
-        return False
 
     # -- statements ------------------------------------------------------------
 
+    @abc.abstractmethod
     def insert(self, table: Table) -> Any:
-        """The ``INSERT`` construct (the dialect's own where it has ``ON CONFLICT``)."""
-        return sqlalchemy.insert(table)
+        """The ``INSERT`` construct for ``table``."""
 
-    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> UpsertClaim | LockedClaim:
+    @abc.abstractmethod
+    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> ClaimPath:
         """How this database claims a run, built once per store."""
-        return LockedClaim(self.insert, engine)
 
+    @abc.abstractmethod
     def lock_key(self, conn: Connection, key: str) -> bool:
         """Serialize the claims sharing concurrency ``key`` inside ``conn``'s transaction;
         False means another claimer holds the key (report busy)."""
-        return True
 
+    @abc.abstractmethod
     def count_live(self, query: Any) -> Any:
         """The statement counting a key's live leases (as a locking read where needed)."""
-        return query
 
+    @abc.abstractmethod
     def record_waiting(
         self, conn: Connection, waiting: dict[str, Any], bump: dict[str, Any]
     ) -> None:
         """In ``conn``'s transaction: insert the ``waiting`` row, or ``bump`` a queued one."""
-        run_id = waiting["id"]
-        changed = conn.execute(
-            update(runs).where(runs.c.id == run_id, runs.c.status == QUEUED).values(bump)
-        ).rowcount
-        exists = conn.execute(select(runs.c.id).where(runs.c.id == run_id)).first()
-        if not changed and exists is None:
-            conn.execute(self.insert(runs).values(waiting))
 
+    @abc.abstractmethod
     def reserve_rate(self, engine: Engine, auto: Engine, params: dict[str, Any]) -> tuple[int, int]:
         """Take the next slot of a rate bucket (see :func:`~celery_lease.store.sql.reserve_rate`);
-        its theoretical arrival time and the database's now. Here a short locked transaction:
-        the ``UPDATE`` (or the first ``INSERT``), then the read of what it wrote."""
-        bucket = and_(rates.c.task_name == params["p_task"], rates.c.rate_key == params["p_key"])
-        now = db_now_ms()
-        period = params["p_period"]
-        for tries in (1, 2):
-            try:
-                with engine.begin() as conn:
-                    moved = conn.execute(
-                        update(rates)
-                        .where(bucket)
-                        .values(tat=case((rates.c.tat > now, rates.c.tat), else_=now) + period)
-                    ).rowcount
-                    if not moved:
-                        conn.execute(
-                            self.insert(rates).values(
-                                task_name=params["p_task"],
-                                rate_key=params["p_key"],
-                                tat=now + period,
-                            )
-                        )
-                    tat, at = conn.execute(select(rates.c.tat, now).where(bucket)).one()
-                    return int(tat), int(at)
-            except sa_exc.IntegrityError:  # another first claim inserted the bucket: update it
-                if tries == 2:
-                    raise
-        raise AssertionError("unreachable")
+        its theoretical arrival time and the database's now."""
 
+    @abc.abstractmethod
     def renew(
         self,
         engine: Engine,
@@ -359,10 +383,8 @@ class Database:
     ) -> Sequence[Any]:
         """Run the heartbeat's ``renew`` (with bind ``params``) and return ``columns`` of the
         rows it renewed."""
-        with engine.begin() as conn:
-            conn.execute(renew, params or {})
-            return conn.execute(select(*columns).where(guard)).all()
 
+    @abc.abstractmethod
     def keep(
         self,
         engine: Engine,
@@ -372,42 +394,98 @@ class Database:
         keeps: Any,
     ) -> bool:
         """Insert the ``waiting`` row, or let an existing row that ``keeps`` the delivery adopt
-        its message where ``adopt``; True when the row now carries the delivery.
+        its message where ``adopt``; True when the row now carries the delivery."""
 
-        One short locked transaction. A claim inserting the row meanwhile makes it
-        fail (a duplicate key or a deadlock): the caller then treats the delivery as
-        not kept.
-        """
-        run_id = waiting["id"]
-        adopted = {
-            "task_id": waiting["task_id"],
-            "payload": waiting["payload"],
-            "payload_content_type": waiting["payload_content_type"],
-        }
-        with engine.begin() as conn:
-            found = conn.execute(
-                select(runs.c.id).where(runs.c.id == run_id).with_for_update()
-            ).first()
-            if found is None:
-                conn.execute(self.insert(runs).values(waiting))
-                return True
-            conn.execute(update(runs).where(runs.c.id == run_id, adopt, keeps).values(adopted))
-            kept = conn.execute(select(runs.c.id).where(runs.c.id == run_id, keeps)).first()
-            return kept is not None
-
+    @abc.abstractmethod
     def lock_expired(self, query: Any) -> Any:
-        """The sweep's read of expired leases: ``FOR UPDATE SKIP LOCKED``, so a row a stalled
-        transaction holds is skipped this time, never waited for."""
-        return query.with_for_update(skip_locked=True)
+        """The sweep's read of expired leases, never waiting for a row a stalled
+        transaction holds."""
 
+    @abc.abstractmethod
     def purge(self, engine: Engine, auto: Engine, oldest: Any, purgeable: Any) -> int:
-        """Delete the rows ``oldest`` (a locked ``SELECT id .. LIMIT``) picks; how many.
+        """Delete the rows ``oldest`` (a locked ``SELECT id .. LIMIT``) picks; how many."""
 
-        One statement, ``id IN (..)``: the rows are locked (or the writer is alone)
-        and were picked by the guard, so no second filter.
-        """
-        with auto.connect() as conn:
-            return int(conn.execute(delete(runs).where(runs.c.id.in_(oldest))).rowcount)
+    # -- schema changes ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def migration_lock(self) -> MigrationLock:
+        """The lock that serializes ``lease migrate`` runs on this database."""
+
+    @abc.abstractmethod
+    def online_ddl(self, operations: Operations, bounds: MigrationBounds) -> OnlineDDL:
+        """How the running migration changes the runs table here without holding lease
+        writes back longer than ``bounds.lock_wait`` at a time."""
+
+
+# -- what two database classes share ---------------------------------------------
+
+
+class UpsertClaim:
+    """The claim as one ``INSERT .. ON CONFLICT`` statement, compiled once per store.
+
+    On an engine in autocommit mode it runs at the driver level
+    (:class:`DriverStatement`); otherwise through SQLAlchemy.
+    """
+
+    def __init__(self, insert: Any, auto: Engine, *, raw: bool) -> None:
+        self.statement = claim_upsert(insert)
+        self._auto = auto
+        self._driver = DriverStatement(auto, self.statement, returns_row=True) if raw else None
+
+    def claim(
+        self,
+        values: dict[str, Any],
+        lease_ms: int,
+        max_attempts: int,
+        conn: Connection | None = None,
+    ) -> ClaimRow | None:
+        """Insert or take over the run (in ``conn``'s transaction if given); the new
+        attempt, expiry, attempt ceiling, checkpoint, trace context and generation, or None
+        when it was not claimable."""
+        params = claim_params(values, lease_ms, max_attempts)
+        if conn is not None:
+            row = conn.execute(self.statement, params).first()
+        elif self._driver is not None:
+            row = self._driver.execute(params)[1]
+        else:
+            with self._auto.connect() as auto:
+                row = auto.execute(self.statement, params).first()
+        if row is None:
+            return None
+        return int(row[0]), int(row[1]), int(row[2]), row[3], row[4], int(row[5])
+
+
+def server_engines(
+    database: Database, url: str, bounds: WaitBounds, **kwargs: Any
+) -> tuple[Engine, Engine]:
+    """A server's two engines: one for transactions, one whose connections stay in
+    autocommit mode for single statements (no reset per check-out)."""
+    engine = database.create_engine(url, bounds, **kwargs)
+    # Autocommit connections never hold a transaction: no reset on check-in.
+    auto_kwargs = {"pool_reset_on_return": None, **kwargs}
+    auto = database.create_engine(url, bounds, isolation_level="AUTOCOMMIT", **auto_kwargs)
+    return engine, auto
+
+
+def server_single_statements(engine: Engine, given: Engine | None) -> tuple[Engine, bool]:
+    """A server's engine for single statements: ``given`` (driver level), else ``engine``'s
+    pool borrowed in autocommit mode, each check-in then resetting the isolation level."""
+    if given is not None:
+        return given, True
+    return engine.execution_options(isolation_level="AUTOCOMMIT"), False
+
+
+def unresolvable_host(url: URL) -> str | None:
+    """A server's host that does not resolve (a DNS outage, ``EAI_AGAIN``, is not that:
+    it may resolve again)."""
+    if not url.host or url.host.startswith("/"):
+        return None
+    try:
+        socket.getaddrinfo(url.host, url.port)
+    except socket.gaierror as exc:
+        if exc.errno != getattr(socket, "EAI_AGAIN", None):
+            return f"host {url.host!r} does not resolve ({exc.strerror})"
+    return None
 
 
 def upsert_waiting(
@@ -447,6 +525,14 @@ def upsert_rate(insert: Any, auto: Engine, params: dict[str, Any]) -> tuple[int,
     with auto.connect() as conn:
         tat, now = conn.execute(reserve_rate(insert), params).one()
     return int(tat), int(now)
+
+
+def upsert_renew(
+    auto: Engine, renew: Any, columns: Sequence[Any], params: dict[str, Any] | None
+) -> Sequence[Any]:
+    """The heartbeat's renewal as one ``UPDATE .. RETURNING``."""
+    with auto.connect() as conn:
+        return conn.execute(renew.returning(*columns), params or {}).all()
 
 
 def create_schema(engine: Engine) -> None:

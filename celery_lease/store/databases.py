@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from ..errors import LeaseDatabaseError
 from ..schema import db_now_ms
 from .bounds import DEFAULT_BOUNDS, WaitBounds
 from .database import Database
@@ -30,14 +31,24 @@ DATABASES: dict[str, Database] = {
     name: database for database in (SQLite(), PostgreSQL(), MySQL()) for name in database.names
 }
 
-#: What a database SQLAlchemy speaks but celery-lease does not know gets.
-_UNKNOWN = Database()
-
 
 def database_for(name: str) -> Database:
-    """The database object for the SQLAlchemy dialect or backend ``name`` (a generic
-    server database for one celery-lease does not know)."""
-    return DATABASES.get(name, _UNKNOWN)
+    """The database object for the SQLAlchemy dialect or backend ``name``.
+
+    Raises:
+        LeaseDatabaseError: (permanent, cause ``unsupported_database``) for a database
+            celery-lease does not know, or "" (a URL that does not parse).
+    """
+    try:
+        return DATABASES[name]
+    except KeyError:
+        what = f"the {name!r} database" if name else "a URL that does not parse"
+        raise LeaseDatabaseError(
+            f"celery-lease does not support {what}; supported: sqlite, postgresql, "
+            "mysql (and mariadb)",
+            transient=False,
+            cause="unsupported_database",
+        ) from None
 
 
 def backend_of(url: str) -> str:
@@ -52,7 +63,9 @@ def create_lease_engine(url: str, *, bounds: WaitBounds = DEFAULT_BOUNDS, **kwar
     """An engine for lease traffic on ``url``, every wait bounded by ``bounds``; the
     database's class decides how (:meth:`Database.create_engine`).
 
-    Raises SQLAlchemy's ``ArgumentError`` for a URL that does not parse.
+    Raises SQLAlchemy's ``ArgumentError`` for a URL that does not parse, and
+    :class:`~celery_lease.errors.LeaseDatabaseError` for a database celery-lease
+    does not know.
     """
     backend = make_url(url).get_backend_name()
     return database_for(backend).create_engine(url, bounds, **kwargs)

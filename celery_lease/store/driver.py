@@ -15,6 +15,8 @@ from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from ..events import Event
+
 logger = logging.getLogger(__name__)
 
 
@@ -100,7 +102,7 @@ class _ClientWatchdog:
         logger.warning(
             "celery-lease: no reply from the lease database within %.1fs: connection cut",
             self.bound,
-            extra={"lease_event": "db_wait_bound", "run_id": None},
+            extra={"lease_event": Event.DB_WAIT_BOUND, "run_id": None},
         )
         with contextlib.suppress(OSError):
             sock = socket.socket(fileno=os.dup(fd))
@@ -108,16 +110,6 @@ class _ClientWatchdog:
                 sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.close()
-
-
-def _lock_wait_ended(exc: DBAPIError) -> bool:
-    """True when the statement gave up waiting for a row lock (the bounded lock wait)."""
-    orig = exc.orig
-    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    if code == "55P03":  # PostgreSQL lock_not_available (lock_timeout)
-        return True
-    args: tuple[Any, ...] = getattr(orig, "args", ())
-    return bool(args) and args[0] == 1205  # MySQL/MariaDB lock wait timeout
 
 
 class DriverStatement:

@@ -1,4 +1,4 @@
-"""The lease store: :class:`LeaseStore`, one method per operation on the runs table.
+"""The lease protocol: :class:`LeaseStore`, one method per operation on the runs table.
 
 Each method runs one statement (or one short transaction) and says in its
 docstring what it guarantees. Guarded writes name ``id``, ``lease_owner`` and
@@ -12,23 +12,21 @@ the functions of :mod:`celery_lease.store.sql`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from sqlalchemy import (
     Connection,
     Engine,
     and_,
     case,
-    delete,
     func,
     insert,
     inspect,
-    literal,
     or_,
     select,
     tuple_,
@@ -38,11 +36,10 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from .. import schema
 from ..errors import LeaseLost, LeaseUsageError, RunNotFound, RunNotRerunnable
+from ..events import Event
 from ..schema import (
     CANCELLED,
     FAILED,
-    HELD_PAUSED,
-    HELD_RATE,
     QUEUED,
     RETRYING,
     RUNNING,
@@ -50,31 +47,25 @@ from ..schema import (
     TERMINAL_STATUSES,
     check_claim_inputs,
     db_now_ms,
-    held,
-    pauses,
     runs,
 )
 from .bounds import DEFAULT_BOUNDS, WaitBounds
-from .database import CLAIM_CONTENTION, ClaimRow, create_schema
-from .databases import backend_of, database_for
-from .driver import DriverStatement
+from .database import CLAIM_CONTENTION, ClaimRow, Database, create_schema
+from .engines import Engines, db_errors
+from .flowstore import FlowStore
+from .leaders import Leaders, LeaderTerm
+from .outbox import OutboxStore
+from .reads import RunReads
 from .records import (
     _CLEARED_MESSAGE,
     _CLEARED_ON_SUCCESS,
     CLAIM_CONTENTION_TRIES,
     PURGE_BATCH,
-    Activity,
     ClaimResult,
-    FlowCounts,
     HeartbeatResult,
-    HeldRecord,
     LeaseKey,
-    Pause,
     Progress,
-    RunPageQuery,
     RunRecord,
-    RunSummary,
-    TaskCounts,
 )
 from .sql import (
     checkpoint_by_binds,
@@ -82,18 +73,13 @@ from .sql import (
     complete_by_binds,
     ended_values,
     guarded,
-    lease_expired_since,
     not_paused,
-    oldest_running,
     progress_values,
     purgeable,
-    run_page,
     success_values,
 )
 
 logger = logging.getLogger(__name__)
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 #: What ``rerun(from_scratch=True)`` clears: the run starts again with no checkpoint.
 _FROM_SCRATCH: dict[str, Any] = {
@@ -106,139 +92,121 @@ _FROM_SCRATCH: dict[str, Any] = {
 }
 
 
-def _db_errors(method: F) -> F:
-    """Raise SQLAlchemy and driver errors of a store method as :class:`LeaseDatabaseError`.
-
-    Classified by the store's database object (transient or permanent, and the
-    cause); the driver's exception is kept as ``__cause__``.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self: LeaseStore, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except SQLAlchemyError as exc:
-            raise self.database.wrap(exc, self.dialect) from exc
-
-    return cast(F, wrapper)
-
-
 class LeaseStore:
-    """All lease SQL, over one SQLAlchemy engine.
+    """The lease protocol on one database: claim, renew, fence, outcomes, recovery.
 
-    Single statements run in autocommit mode (one round trip each); the few
-    read-then-write paths run in one short transaction.
+    Flow control's statements are :attr:`flow` (:class:`FlowStore`), the
+    operators' reads :attr:`reads` (:class:`RunReads`): objects of their own
+    over the same :class:`Engines`. Single statements run in autocommit mode
+    (one round trip each); the few read-then-write paths run in one short
+    transaction.
     """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | Engines,
         *,
         autocommit_engine: Engine | None = None,
         bounds: WaitBounds = DEFAULT_BOUNDS,
     ) -> None:
-        """Use ``engine`` for transactions and ``autocommit_engine`` for single statements.
+        """The store of the database ``engine`` (an :class:`Engines`, or an engine for
+        transactions with ``autocommit_engine`` for single statements; see :class:`Engines`).
 
         ``bounds`` sets SQLite's busy timeout; on servers the waits are bounded
         by the engines themselves (:func:`create_lease_engine`).
-
-        Without ``autocommit_engine``, single statements borrow ``engine``'s pool
-        in autocommit mode (each check-in then resets the isolation level). On
-        SQLite they borrow it as it is: pysqlite's own transaction handling is
-        off on this store's connections, so a statement outside ``BEGIN``
-        commits by itself, with no isolation-level switch.
         """
-        self.engine = engine
-        self.dialect = engine.dialect.name
-        #: What differs on this database: the store asks it to do that work.
-        self.database = database_for(self.dialect)
-        self.bounds = bounds
-        self._own_auto = autocommit_engine
-        self._auto, raw = self.database.single_statements(engine, bounds, autocommit_engine)
+        db = (
+            engine
+            if isinstance(engine, Engines)
+            else Engines(engine, autocommit_engine=autocommit_engine, bounds=bounds)
+        )
+        #: The database's engines, shared with :attr:`flow` and :attr:`reads`.
+        self.db = db
+        #: Flow control's statements (pauses, held deliveries, rate slots).
+        self.flow = FlowStore(db)
+        #: The operators' reads (``celery lease``, the web view).
+        self.reads = RunReads(db)
+        #: Leader leases (the in-worker sweeper, LeaseScheduler beats) and beat schedules.
+        self.leaders = Leaders(db)
+        #: Follow-up tasks recorded in fenced transactions (``fence(conn, send=...)``).
+        self.outbox = OutboxStore(db)
+        # Every kept result of a run finished before this (DB clock) is cleared
+        # (:meth:`clear_results` reads only the rows finished since).
+        self._results_cleared_to = 0
         # The hot path's two statements are compiled once; on an engine in
         # autocommit mode they run at the driver level (DriverStatement).
-        self._claim_path = self.database.claim_path(engine, self._auto, raw=raw)
+        self._claim_path = db.database.claim_path(db.engine, db.auto, raw=db.raw)
         self._complete_stmt = complete_by_binds()
-        self._complete_driver = (
-            DriverStatement(self._auto, self._complete_stmt, returns_row=False) if raw else None
-        )
+        self._complete_driver = db.driver(self._complete_stmt, returns_row=False)
         self._checkpoint_stmt = checkpoint_by_binds()
-        self._checkpoint_driver = (
-            DriverStatement(self._auto, self._checkpoint_stmt, returns_row=False) if raw else None
-        )
+        self._checkpoint_driver = db.driver(self._checkpoint_stmt, returns_row=False)
 
     @classmethod
     def from_url(
         cls, url: str, *, lease_seconds: float | None = None, **engine_kwargs: Any
     ) -> LeaseStore:
-        """A store on new engines for ``url``, its waits bounded for ``lease_seconds``.
-
-        On servers, single statements get an engine of their own whose
-        connections stay in autocommit mode (no reset per check-out); SQLite
-        shares one pool, whose connections commit each statement outside
-        ``BEGIN`` by themselves. Without ``lease_seconds`` the bounds are those
-        of the default 30 s lease.
+        """A store on new engines for ``url``, its waits bounded for ``lease_seconds``
+        (see :meth:`Engines.from_url`).
 
         Raises:
-            LeaseDatabaseError: SQLAlchemy could not make an engine (a malformed
-                URL, an unknown dialect) or reach the database while setting it
-                up; the SQLAlchemy error is ``__cause__``.
+            LeaseDatabaseError: SQLAlchemy could not make an engine or reach the database.
         """
-        bounds = DEFAULT_BOUNDS if lease_seconds is None else WaitBounds.for_lease(lease_seconds)
-        backend = backend_of(url)
-        database = database_for(backend)
-        try:
-            engine, auto = database.open(url, bounds, **engine_kwargs)
-            return cls(engine, autocommit_engine=auto, bounds=bounds)
-        except SQLAlchemyError as exc:
-            raise database.wrap(exc, backend) from exc
+        return cls(Engines.from_url(url, lease_seconds=lease_seconds, **engine_kwargs))
+
+    @property
+    def engine(self) -> Engine:
+        """The engine for transactions (its ``url`` names the database)."""
+        return self.db.engine
+
+    @property
+    def database(self) -> Database:
+        """What differs on this database."""
+        return self.db.database
 
     @property
     def engines(self) -> tuple[Engine, ...]:
         """Every engine this store runs statements on (for instrumentation)."""
-        return (self.engine,) if self._own_auto is None else (self.engine, self._own_auto)
+        return self.db.engines
 
     def dispose(self) -> None:
         """Close every pooled connection of this store."""
-        for engine in self.engines:
-            engine.dispose()
+        self.db.dispose()
 
     def dispose_after_fork(self) -> None:
         """Drop pooled connections inherited from a parent process without closing them."""
-        for engine in self.engines:
-            engine.dispose(close=False)
+        self.db.dispose_after_fork()
 
     # -- schema ---------------------------------------------------------------
 
-    @_db_errors
+    @db_errors
     def create_schema(self) -> None:
         """Create the runs table and any index it lacks (the embedded default; else migrate)."""
-        create_schema(self.engine)
+        create_schema(self.db.engine)
 
-    @_db_errors
+    @db_errors
     def has_schema(self) -> bool:
         """True when the runs table exists."""
-        return bool(inspect(self.engine).has_table(runs.name))
+        return bool(inspect(self.db.engine).has_table(runs.name))
 
-    @_db_errors
+    @db_errors
     def prepare(self) -> None:
         """Make the database ready for tasks: SQLite, the embedded default, gets its table;
         a server's is made by ``celery lease migrate``."""
-        self.database.prepare(self.engine)
+        self.db.database.prepare(self.db.engine)
 
     # -- reads every operation uses ----------------------------------------------
 
-    @_db_errors
+    @db_errors
     def get(self, run_id: str) -> RunRecord | None:
         """The run row, or None."""
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             row = conn.execute(select(runs).where(runs.c.id == run_id)).mappings().first()
         return None if row is None else RunRecord(**dict(row))
 
-    @_db_errors
+    @db_errors
     def now_ms(self) -> int:
         """The database clock, in epoch milliseconds."""
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             return int(conn.execute(select(db_now_ms())).scalar_one())
 
     def _lost(self, run_id: str, owner: str, attempt: int, action: str) -> LeaseLost:
@@ -257,7 +225,7 @@ class LeaseStore:
 
     # -- claiming a run --------------------------------------------------------
 
-    @_db_errors
+    @db_errors
     def claim(
         self,
         run_id: str,
@@ -285,6 +253,8 @@ class LeaseStore:
         ``trace_context`` is the claiming attempt's W3C ``traceparent``: a
         takeover keeps it with the first ``traceparent`` the row held (the
         attempt it continues) in the same statement, and the result returns both.
+        The result also carries the run's ``generation`` (idempotency keys), read
+        by the same statement.
         """
         check_claim_inputs(
             run_id=run_id,
@@ -316,13 +286,13 @@ class LeaseStore:
             try:
                 return self._claim_once(values, lease_ms, max_attempts, limit)
             except SQLAlchemyError as exc:
-                if isinstance(exc, DBAPIError) and self.database.lock_wait_ended(exc):
+                if isinstance(exc, DBAPIError) and self.db.database.lock_wait_ended(exc):
                     # A transaction holds the row (a worker frozen inside fence()):
                     # that is a live owner as far as this claim can tell.
                     return ClaimResult(
-                        "busy", run_id, owner, 0, RUNNING, self.bounds.lock, reason="locked"
+                        "busy", run_id, owner, 0, RUNNING, self.db.bounds.lock, reason="locked"
                     )
-                found = self.database.classify(exc)
+                found = self.db.database.classify(exc)
                 if found.cause not in CLAIM_CONTENTION:
                     raise
                 if tries == CLAIM_CONTENTION_TRIES:
@@ -330,7 +300,7 @@ class LeaseStore:
                         "celery-lease: claim of %s kept losing to concurrent claims (%s)",
                         run_id,
                         found.cause,
-                        extra={"lease_event": "claim_contention", "run_id": run_id},
+                        extra={"lease_event": Event.CLAIM_CONTENTION, "run_id": run_id},
                     )
                     break
             # Jittered, growing pause: the winner usually commits within it.
@@ -359,6 +329,7 @@ class LeaseStore:
                 max_attempts=row[2],
                 checkpoint=row[3],
                 trace_context=row[4],
+                generation=row[5],
             )
         return self._claim_refused(run_id, owner, max_attempts, values)
 
@@ -374,8 +345,8 @@ class LeaseStore:
         """
         key = values["concurrency_key"]
         now = db_now_ms()
-        with self.engine.begin() as conn:
-            if not self.database.lock_key(conn, key):
+        with self.db.begin() as conn:
+            if not self.db.database.lock_key(conn, key):
                 return ClaimResult(
                     "busy",
                     values["id"],
@@ -386,7 +357,7 @@ class LeaseStore:
                     reason="concurrency",
                 )
             live = conn.execute(
-                self.database.count_live(
+                self.db.database.count_live(
                     select(func.count(), func.min(runs.c.lease_expires_at - now)).where(
                         runs.c.concurrency_key == key,
                         runs.c.status == RUNNING,
@@ -429,7 +400,7 @@ class LeaseStore:
             "updated_at": now,
         }
         bump = {"available_at": now + wait_ms, "updated_at": now}
-        self.database.record_waiting(conn, waiting, bump)
+        self.db.database.record_waiting(conn, waiting, bump)
 
     # -- why a claim changed nothing ----------------------------------------------
 
@@ -443,7 +414,7 @@ class LeaseStore:
         """
         for _ in range(5):
             now = db_now_ms()
-            with self._auto.connect() as conn:
+            with self.db.connect() as conn:
                 row = conn.execute(
                     select(
                         runs.c.status,
@@ -456,7 +427,7 @@ class LeaseStore:
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
-                paused = self._pause_of(values["task_name"], values["concurrency_key"])
+                paused = self.flow.pause_of(values["task_name"], values["concurrency_key"])
                 if paused is not None:
                     return ClaimResult("paused", run_id, owner, 0, schema.QUEUED, reason=paused)
                 return ClaimResult("busy", run_id, owner, 0, schema.QUEUED, 0.0)
@@ -483,7 +454,7 @@ class LeaseStore:
                     )
                 continue
             if claimable:
-                paused = self._pause_of(values["task_name"], values["concurrency_key"])
+                paused = self.flow.pause_of(values["task_name"], values["concurrency_key"])
                 if paused is not None:
                     return ClaimResult("paused", run_id, owner, attempt, status, reason=paused)
                 # It became claimable between our two statements: try again soon.
@@ -524,10 +495,10 @@ class LeaseStore:
                 updated_at=now,
             )
         )
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
-    @_db_errors
+    @db_errors
     def end_unclaimed(
         self, run_id: str, *, task_name: str, max_attempts: int, failure_code: str, error: str
     ) -> str:
@@ -553,7 +524,7 @@ class LeaseStore:
             )
             .values(ended)
         )
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             if conn.execute(stmt).rowcount == 1:
                 return schema.FAILED
             status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
@@ -570,9 +541,9 @@ class LeaseStore:
                 **ended,
             }
             try:
-                conn.execute(self.database.insert(runs).values(row))
+                conn.execute(self.db.database.insert(runs).values(row))
             except SQLAlchemyError as exc:
-                if self.database.classify(exc).cause != "duplicate_key":
+                if self.db.database.classify(exc).cause != "duplicate_key":
                     raise
                 return self.end_unclaimed(
                     run_id,
@@ -585,7 +556,7 @@ class LeaseStore:
 
     # -- while a lease is held: heartbeat, fence, guarded outcomes -----------------
 
-    @_db_errors
+    @db_errors
     def heartbeat(
         self, leases: Iterable[LeaseKey], progress: Mapping[LeaseKey, Progress] | None = None
     ) -> HeartbeatResult:
@@ -621,13 +592,13 @@ class LeaseStore:
             )
         )
         columns = (runs.c.id, runs.c.lease_owner, runs.c.attempt, runs.c.cancel_requested_at)
-        rows = self.database.renew(self.engine, self._auto, renew, guard, columns, params)
+        rows = self.db.database.renew(self.db.engine, self.db.auto, renew, guard, columns, params)
         renewed = frozenset((r[0], r[1], int(r[2])) for r in rows)
         cancel = frozenset((r[0], r[1], int(r[2])) for r in rows if r[3] is not None)
         lost = frozenset(keys) - renewed
         return HeartbeatResult(renewed, lost, cancel)
 
-    @_db_errors
+    @db_errors
     def fence(
         self,
         connection: Connection,
@@ -648,6 +619,9 @@ class LeaseStore:
         ``checkpoint`` (JSON text) is saved by the same statement, so it commits
         with the caller's writes; success clears it, as any success does.
         """
+        other = self._other_database(connection)
+        if other is not None:
+            raise self._not_lease_database(run_id, other)
         now = db_now_ms()
         values: dict[str, Any] = {"heartbeat_at": runs.c.heartbeat_at}
         if checkpoint is not None:
@@ -659,14 +633,52 @@ class LeaseStore:
             .where(guarded(run_id, owner, attempt), runs.c.lease_expires_at > now)
             .values(**values)
         )
-        if connection.execute(stmt).rowcount != 1:
+        try:
+            changed = connection.execute(stmt).rowcount
+        except SQLAlchemyError as exc:
+            error = self.db.database.wrap(exc, self.db.dialect)
+            if not error.transient and self._holds(run_id, owner, attempt):
+                # The lease database shows the lease held, yet this connection has no
+                # (usable) run table: it is another database, not a missing migration.
+                raise self._not_lease_database(run_id, f"it failed there ({error.cause})") from exc
+            raise
+        if changed != 1:
             if self._holds(run_id, owner, attempt):
-                raise LeaseUsageError(
-                    f"fence() on run {run_id}: the connection is not on the lease database "
-                    f"({self.engine.url.render_as_string(hide_password=True)}), where this "
-                    "lease is held; use `with self.lease.transaction() as conn:`"
-                )
+                raise self._not_lease_database(run_id, "the run is not held there")
             raise self._lost(run_id, owner, attempt, "fence refused")
+
+    def _not_lease_database(self, run_id: str, why: str) -> LeaseUsageError:
+        """The error of ``fence()`` on a connection to another database than the lease's."""
+        lease_url = self.db.engine.url.render_as_string(hide_password=True)
+        return LeaseUsageError(
+            f"fence() on run {run_id}: the connection is not on the lease database "
+            f"{lease_url} ({why}); fence a transaction of the lease database: "
+            "`with self.lease.transaction() as conn:` (the lease is still held)"
+        )
+
+    def _other_database(self, connection: Connection) -> str | None:
+        """Why ``connection`` is plainly on another database than the lease's, read from
+        the two engines' URLs (no SQL); None when they may be the same one.
+
+        A server's database is told apart only on the same host and port (a pooler
+        may name it otherwise); a URL without a database (a wrapped DBAPI connection,
+        Django's) is told apart by its dialect only.
+        """
+        ours = self.db.engine.url
+        theirs = connection.engine.url
+        if connection.dialect.name != self.db.dialect:
+            return f"it is {connection.dialect.name}, the lease database is {self.db.dialect}"
+        if not theirs.database or not ours.database:
+            return None
+        if self.db.dialect == "sqlite":
+            mine, other = _sqlite_file(ours.database), _sqlite_file(theirs.database)
+            if mine is not None and other is not None and mine != other:
+                return f"it is the SQLite file {theirs.database}"
+            return None
+        same_server = (theirs.host, theirs.port) == (ours.host, ours.port)
+        if same_server and theirs.database != ours.database:
+            return f"it is the database {theirs.database!r}"
+        return None
 
     def _holds(self, run_id: str, owner: str, attempt: int) -> bool:
         """True when the lease database shows this owner's unexpired lease (fence diagnosis)."""
@@ -674,12 +686,12 @@ class LeaseStore:
             guarded(run_id, owner, attempt), runs.c.lease_expires_at > db_now_ms()
         )
         try:
-            with self._auto.connect() as conn:
+            with self.db.connect() as conn:
                 return conn.execute(stmt).first() is not None
         except SQLAlchemyError:  # the diagnosis must never hide the refusal itself
             return False
 
-    @_db_errors
+    @db_errors
     def checkpoint(self, run_id: str, owner: str, attempt: int, state: str) -> None:
         """Save ``state`` (JSON text) as the run's checkpoint: one guarded UPDATE.
 
@@ -691,7 +703,7 @@ class LeaseStore:
         if self._checkpoint_driver is not None:
             changed = self._checkpoint_driver.execute(params)[0]
         else:
-            with self._auto.connect() as conn:
+            with self.db.connect() as conn:
                 changed = conn.execute(self._checkpoint_stmt, params).rowcount
         if changed != 1:
             raise self._lost(run_id, owner, attempt, "checkpoint refused")
@@ -699,19 +711,19 @@ class LeaseStore:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:
         """A connection to the lease database inside a transaction, committed on success."""
-        with self.engine.begin() as conn:
+        with self.db.begin() as conn:
             yield conn
 
     def _guarded_update(
         self, run_id: str, owner: str, attempt: int, action: str, **values: Any
     ) -> None:
         stmt = update(runs).where(guarded(run_id, owner, attempt)).values(**values)
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             changed = conn.execute(stmt).rowcount
         if changed != 1:
             raise self._lost(run_id, owner, attempt, f"{action} refused")
 
-    @_db_errors
+    @db_errors
     def complete(
         self,
         run_id: str,
@@ -737,7 +749,7 @@ class LeaseStore:
             if self._complete_driver.execute(params)[0] == 1:
                 return
         else:
-            with self._auto.connect() as conn:
+            with self.db.connect() as conn:
                 if conn.execute(self._complete_stmt, params).rowcount == 1:
                     return
         if result is not None:
@@ -753,7 +765,7 @@ class LeaseStore:
                 )
                 .values(result=result[0], result_content_type=result[1])
             )
-            with self._auto.connect() as conn:
+            with self.db.connect() as conn:
                 if conn.execute(kept).rowcount == 1:
                     return
         row = self.get(run_id)
@@ -761,7 +773,7 @@ class LeaseStore:
             return
         raise self._lost(run_id, owner, attempt, "complete refused")
 
-    @_db_errors
+    @db_errors
     def fail(
         self,
         run_id: str,
@@ -798,7 +810,7 @@ class LeaseStore:
         self._guarded_update(run_id, owner, attempt, "fail", **values)
         return status
 
-    @_db_errors
+    @db_errors
     def release(self, run_id: str, owner: str, attempt: int, *, available_in: float = 0.0) -> None:
         """Hand a held lease back: ``retrying``, claimable after ``available_in`` s."""
         now = db_now_ms()
@@ -813,7 +825,7 @@ class LeaseStore:
             updated_at=now,
         )
 
-    @_db_errors
+    @db_errors
     def end(
         self,
         run_id: str,
@@ -842,7 +854,7 @@ class LeaseStore:
             **(_CLEARED_ON_SUCCESS if status == SUCCEEDED else {}),
         )
 
-    @_db_errors
+    @db_errors
     def refuse_message(
         self, record: RunRecord, failure_code: str, error: str, *, status: str = FAILED
     ) -> bool:
@@ -862,10 +874,10 @@ class LeaseStore:
             )
             .values(**ended_values(now, status, failure_code, error), **_CLEARED_MESSAGE)
         )
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
-    @_db_errors
+    @db_errors
     def mark_cancelled(self, run_id: str, owner: str, attempt: int) -> None:
         """End a held run as ``cancelled`` after its worker honoured a cancel request."""
         now = db_now_ms()
@@ -883,7 +895,7 @@ class LeaseStore:
 
     # -- recovery: kept deliveries, expired leases, shutdown hand-back -------------
 
-    @_db_errors
+    @db_errors
     def keep_delivery(
         self,
         run_id: str,
@@ -929,19 +941,24 @@ class LeaseStore:
             runs.c.status.not_in(sorted(TERMINAL_STATUSES)),
             or_(adopt, func.coalesce(runs.c.task_id, runs.c.id) == task_id),
         )
-        return self.database.keep(self.engine, self._auto, waiting, adopt, keeps)
+        return self.db.database.keep(self.db.engine, self.db.auto, waiting, adopt, keeps)
 
-    @_db_errors
-    def sweep_expired(self, limit: int = 500) -> list[tuple[RunRecord, str]]:
+    @db_errors
+    def sweep_expired(
+        self, limit: int = 500, *, leader: LeaderTerm | None = None
+    ) -> list[tuple[RunRecord, str]]:
         """End or hand back running runs whose lease expired (DB clock), at most ``limit``.
 
         Each row moves, by a statement guarded on owner, attempt, status and the
-        expiry, to ``retrying`` (available now), or ``failed`` with
+        expiry, to ``retrying`` (available now; ``requeues`` and ``republishes`` grow by
+        one, ``republished_at`` is now), or ``failed`` with
         ``lease_expired`` when attempts are spent, or ``cancelled`` when a cancel
         was requested. Only rows this call moved are returned, so two sweepers
         never both act on the same expired lease. On PostgreSQL and MySQL the
         rows are read ``FOR UPDATE SKIP LOCKED``: a row locked by a stalled
-        transaction is skipped this time, never waited for.
+        transaction is skipped this time, never waited for. With ``leader``, the
+        transaction is fenced by that leader term (:meth:`Leaders.hold`): a sweeper
+        that lost its leader lease changes nothing (:class:`LeadershipLost`).
         """
         # A scalar subquery is an index bound; the volatile clock itself would be
         # a filter evaluated on every running row.
@@ -952,9 +969,11 @@ class LeaseStore:
             .order_by(runs.c.lease_expires_at)
             .limit(limit)
         )
-        query = self.database.lock_expired(query)
+        query = self.db.database.lock_expired(query)
         moved: list[tuple[RunRecord, str]] = []
-        with self.engine.begin() as conn:
+        with self.db.begin() as conn:
+            if leader is not None:
+                self.leaders.hold(conn, leader)
             for row in conn.execute(query).mappings().all():
                 record = RunRecord(**dict(row))
                 status = self._sweep_one(record, conn)
@@ -984,8 +1003,11 @@ class LeaseStore:
                 available_at=now,
                 failure_code="lease_expired",
                 last_error=f"lease expired on attempt {record.attempt} (worker lost or stalled)",
-                # The sweeper publishes it now: one more re-publish since the last claim.
+                # The sweeper publishes it now: one more re-publish since the last claim,
+                # and in all (the history no claim resets).
                 requeues=runs.c.requeues + 1,
+                republishes=runs.c.republishes + 1,
+                republished_at=now,
             )
         stmt = (
             update(runs)
@@ -1000,8 +1022,10 @@ class LeaseStore:
         )
         return status if conn.execute(stmt).rowcount == 1 else None
 
-    @_db_errors
-    def reclaim_stale(self, older_than: float, limit: int = 500) -> list[tuple[RunRecord, str]]:
+    @db_errors
+    def reclaim_stale(
+        self, older_than: float, limit: int = 500, *, leader: LeaderTerm | None = None
+    ) -> list[tuple[RunRecord, str]]:
         """Queued/retrying runs available for ``older_than`` s yet never claimed.
 
         Their delivery was most likely lost (a broker that does not redeliver, a
@@ -1011,13 +1035,19 @@ class LeaseStore:
         status it has now:
 
         - the row's own status (``queued``/``retrying``): ``available_at`` moved
-          to now and ``requeues`` grown by one; the caller publishes it again;
+          to now, ``requeues`` and ``republishes`` grown by one and ``republished_at``
+          now; the caller publishes it again;
         - ``failed`` with ``undeliverable``: the sweeper had already published it
           ``max_attempts`` times since a worker last claimed it, so it is ended
           instead (its message is kept for ``celery lease rerun``).
+
+        With ``leader``, it runs in one transaction fenced by that leader term, as
+        :meth:`sweep_expired`.
         """
         now = db_now_ms()
-        with self._auto.connect() as conn:
+        with self.db.begin() if leader is not None else self.db.connect() as conn:
+            if leader is not None:
+                self.leaders.hold(conn, leader)
             rows = (
                 conn.execute(
                     select(runs)
@@ -1060,12 +1090,14 @@ class LeaseStore:
                         "available_at": db_now_ms(),
                         "updated_at": db_now_ms(),
                         "requeues": runs.c.requeues + 1,
+                        "republishes": runs.c.republishes + 1,
+                        "republished_at": db_now_ms(),
                     }
                 if conn.execute(update(runs).where(unchanged).values(**values)).rowcount == 1:
                     taken.append((record, status))
         return taken
 
-    @_db_errors
+    @db_errors
     def record_sweep(
         self,
         name: str,
@@ -1077,10 +1109,12 @@ class LeaseStore:
         cancelled: int = 0,
         purged: int = 0,
         errors: int = 0,
+        leader: LeaderTerm | None = None,
     ) -> None:
         """Record that the sweeper ``name`` swept this database now (DB clock): who swept,
         how long it took and what it did. One row per name, replaced each sweep; one
-        short transaction (an ``UPDATE``, and an ``INSERT`` the first time)."""
+        short transaction (an ``UPDATE``, and an ``INSERT`` the first time), fenced by
+        ``leader`` when given."""
         values: dict[str, Any] = {
             "swept_at": db_now_ms(),
             "took_ms": max(0, int(took_ms)),
@@ -1094,7 +1128,9 @@ class LeaseStore:
         row = schema.sweeps.c.name == name[:64]
         for tries in (1, 2):
             try:
-                with self.engine.begin() as conn:
+                with self.db.begin() as conn:
+                    if leader is not None:
+                        self.leaders.hold(conn, leader)
                     changed = conn.execute(update(schema.sweeps).where(row).values(**values))
                     if changed.rowcount == 0:
                         conn.execute(insert(schema.sweeps).values(name=name[:64], **values))
@@ -1103,23 +1139,7 @@ class LeaseStore:
                 if tries == 2:
                     raise
 
-    @_db_errors
-    def last_sweep(self) -> dict[str, Any] | None:
-        """The latest sweep recorded on this database, with the database clock; read only.
-
-        Keys: the columns of ``celery_lease_sweeps`` and ``now`` (epoch ms). None
-        when no sweep was ever recorded.
-        """
-        stmt = (
-            select(schema.sweeps, db_now_ms().label("now"))
-            .order_by(schema.sweeps.c.swept_at.desc())
-            .limit(1)
-        )
-        with self._auto.connect() as conn:
-            row = conn.execute(stmt).mappings().first()
-        return None if row is None else dict(row)
-
-    @_db_errors
+    @db_errors
     def release_owned_by(self, worker_id: str) -> list[RunRecord]:
         """Hand back every running lease taken by the worker whose id is ``worker_id``.
 
@@ -1130,7 +1150,7 @@ class LeaseStore:
         """
         if not worker_id:
             raise ValueError("worker_id must not be empty")
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             rows = (
                 conn.execute(
                     select(runs).where(
@@ -1153,229 +1173,9 @@ class LeaseStore:
 
     # -- flow control: pauses, rate limits, held deliveries --------------------------
 
-    def _pause_of(self, task_name: str, key: str | None) -> str | None:
-        """The reason (``""`` if none given) of a pause holding ``task_name`` (or ``key``),
-        else None; read only (the claim's refusal path)."""
-        stmt = (
-            select(pauses.c.reason)
-            .where(
-                pauses.c.task_name == task_name,
-                or_(pauses.c.pause_key == "", pauses.c.pause_key == (key or "")),
-            )
-            .order_by(pauses.c.pause_key)
-            .limit(1)
-        )
-        with self._auto.connect() as conn:
-            row = conn.execute(stmt).first()
-        return None if row is None else str(row[0] or "")
-
-    @_db_errors
-    def pause(self, task_name: str, key: str | None = None, reason: str | None = None) -> bool:
-        """Pause ``task_name`` (or only its runs of concurrency ``key``): from now on no claim
-        of it succeeds. True when this call paused it; a pause already there keeps its time
-        and gets ``reason`` if one is given."""
-        schema.check_run_id(task_name, "task_name")
-        if key is not None:
-            schema.check_run_id(key, "key")
-        row = pauses.c.task_name == task_name, pauses.c.pause_key == (key or "")
-        values = {"task_name": task_name, "pause_key": key or "", "reason": reason}
-        with self.engine.begin() as conn:
-            found = conn.execute(select(pauses.c.task_name).where(*row)).first()
-            if found is None:
-                try:
-                    with conn.begin_nested():
-                        conn.execute(insert(pauses).values(paused_at=db_now_ms(), **values))
-                    return True
-                except IntegrityError:  # paused by another call meanwhile
-                    pass
-            if reason is not None:
-                conn.execute(update(pauses).where(*row).values(reason=reason))
-        return False
-
-    @_db_errors
-    def resume(self, task_name: str, key: str | None = None) -> bool:
-        """Remove the pause of ``task_name`` (or of its concurrency ``key``); True when there
-        was one. Held deliveries are published by :meth:`take_held` and its caller."""
-        stmt = delete(pauses).where(
-            pauses.c.task_name == task_name, pauses.c.pause_key == (key or "")
-        )
-        with self._auto.connect() as conn:
-            return int(conn.execute(stmt).rowcount) == 1
-
-    @_db_errors
-    def list_pauses(self) -> list[Pause]:
-        """Every pause, oldest first, with the deliveries it holds back now; read only."""
-        with self._auto.connect() as conn:
-            rows = conn.execute(
-                select(pauses).order_by(pauses.c.paused_at, pauses.c.task_name)
-            ).all()
-            counts = conn.execute(
-                select(held.c.task_name, held.c.flow_key, func.count())
-                .where(held.c.reason == HELD_PAUSED)
-                .group_by(held.c.task_name, held.c.flow_key)
-            ).all()
-        found: list[Pause] = []
-        for task_name, key, reason, paused_at in rows:
-            waiting = sum(
-                int(n) for name, flow, n in counts if name == task_name and key in ("", flow)
-            )
-            found.append(Pause(task_name, key, reason, int(paused_at), waiting))
-        return found
-
-    @_db_errors
-    def flow_counts(self) -> FlowCounts:
-        """Deliveries held back now per task and key, paused and deferred; one read."""
-        now = db_now_ms()
-        stmt = select(held.c.reason, held.c.task_name, held.c.flow_key, func.count(), now).group_by(
-            held.c.reason, held.c.task_name, held.c.flow_key
-        )
-        with self._auto.connect() as conn:
-            rows = conn.execute(stmt).all()
-            db_now = int(conn.execute(select(now)).scalar_one()) if not rows else int(rows[0][4])
-        paused = {(r[1], r[2]): int(r[3]) for r in rows if r[0] == HELD_PAUSED}
-        deferred = {(r[1], r[2]): int(r[3]) for r in rows if r[0] == HELD_RATE}
-        return FlowCounts(db_now, paused, deferred)
-
-    @_db_errors
-    def request_cancel_running(self, task_name: str, key: str | None = None) -> int:
-        """Ask every running run of ``task_name`` (of concurrency ``key`` if given) to stop, as
-        :meth:`cancel` does; how many were asked. Each worker sees it within one heartbeat."""
-        now = db_now_ms()
-        where = [runs.c.status == RUNNING, runs.c.task_name == task_name]
-        if key is not None:
-            where.append(runs.c.concurrency_key == key)
-        stmt = (
-            update(runs)
-            .where(*where, runs.c.cancel_requested_at.is_(None))
-            .values(cancel_requested_at=now, updated_at=now)
-        )
-        with self._auto.connect() as conn:
-            return int(conn.execute(stmt).rowcount)
-
-    @_db_errors
-    def reserve_rate(self, task_name: str, key: str, period_ms: int, burst: int) -> tuple[int, int]:
-        """Take the next slot of the rate bucket ``(task_name, key)``: one slot per
-        ``period_ms``, ``burst`` at once. Returns ``(wait_ms, due_ms)``: how long the caller
-        must wait for its slot (0: now) and when it is due, by the database clock.
-
-        GCRA with reservation, in one statement where the database has ``ON CONFLICT ..
-        RETURNING`` (a short transaction on MySQL): every caller's slot is its own, so
-        across all workers no more than ``burst`` start within one period.
-        """
-        params = {"p_task": task_name, "p_key": key, "p_period": period_ms}
-        tat, now = self.database.reserve_rate(self.engine, self._auto, params)
-        due = tat - period_ms * burst
-        return max(0, due - now), max(due, now)
-
-    @_db_errors
-    def hold(
-        self,
-        reason: str,
-        *,
-        task_name: str,
-        flow_key: str | None,
-        run_id: str,
-        task_id: str,
-        payload: bytes,
-        payload_content_type: str,
-        available_at: int | None = None,
-    ) -> bool:
-        """Keep a delivery held back by flow control, with its message; one statement.
-
-        ``paused``: kept only while a pause still holds it (False: resumed meanwhile, the
-        caller sends it on). ``rate``: due at ``available_at`` (epoch ms, DB clock).
-        """
-        now = db_now_ms()
-        key = flow_key or ""
-        row = {
-            "reason": reason,
-            "task_name": task_name,
-            "flow_key": key,
-            "run_id": run_id,
-            "task_id": task_id,
-            "payload": payload,
-            "payload_content_type": payload_content_type,
-            "available_at": now if available_at is None else available_at,
-            "created_at": now,
-        }
-        if reason == HELD_RATE:
-            stmt: Any = insert(held).values(row)
-        elif reason == HELD_PAUSED:
-            source = select(
-                *[
-                    (v if hasattr(v, "label") else literal(v, held.c[k].type)).label(k)
-                    for k, v in row.items()
-                ]
-            ).where(~not_paused(task_name, key))
-            stmt = insert(held).from_select(list(row), source)
-        else:
-            raise ValueError(f"unknown hold reason {reason!r}")
-        with self._auto.connect() as conn:
-            if not self.engine.dialect.insert_returning:
-                return int(conn.execute(stmt).rowcount) == 1
-            # psycopg reports no row count for INSERT .. SELECT: ask for the row.
-            return conn.execute(stmt.returning(held.c.seq)).first() is not None
-
-    @_db_errors
-    def take_held(
-        self,
-        *,
-        horizon_ms: int,
-        task_name: str | None = None,
-        key: str | None = None,
-        limit: int = 500,
-        stale_ms: int = 60_000,
-    ) -> list[HeldRecord]:
-        """Held deliveries to publish now, in arrival order, each taken by a guarded
-        ``UPDATE`` (so two publishers never both take one; a taker that died is taken over
-        after ``stale_ms``): paused ones no pause holds any more, and rate-limited ones due
-        within ``horizon_ms``. With ``task_name`` (and ``key``), only that task's paused ones.
-        """
-        now = db_now_ms()
-        free = or_(held.c.taken_at.is_(None), held.c.taken_at < now - stale_ms)
-        resumed = and_(held.c.reason == HELD_PAUSED, not_paused(held.c.task_name, held.c.flow_key))
-        if task_name is not None:
-            resumed = and_(resumed, held.c.task_name == task_name)
-            if key is not None:
-                resumed = and_(resumed, held.c.flow_key == key)
-            where: Any = resumed
-        else:
-            due = and_(held.c.reason == HELD_RATE, held.c.available_at <= now + horizon_ms)
-            where = or_(resumed, due)
-        stmt = select(held, now.label("now")).where(where, free).order_by(held.c.seq).limit(limit)
-        taken: list[HeldRecord] = []
-        with self._auto.connect() as conn:
-            for row in conn.execute(stmt).mappings().all():
-                guard = and_(
-                    held.c.seq == row["seq"],
-                    held.c.taken_at.is_(None)
-                    if row["taken_at"] is None
-                    else held.c.taken_at == row["taken_at"],
-                )
-                if conn.execute(update(held).where(guard).values(taken_at=now)).rowcount == 1:
-                    data = {k: v for k, v in row.items() if k != "taken_at"}
-                    taken.append(HeldRecord(**data))
-        return taken
-
-    @_db_errors
-    def drop_held(self, seq: int) -> None:
-        """Forget a held delivery once it was published again."""
-        with self._auto.connect() as conn:
-            conn.execute(delete(held).where(held.c.seq == seq))
-
-    @_db_errors
-    def next_held_due(self) -> int | None:
-        """Milliseconds until the next rate-limited delivery is due (0: overdue), or None
-        when none is held; read only."""
-        now = db_now_ms()
-        stmt = select(func.min(held.c.available_at) - now).where(held.c.reason == HELD_RATE)
-        with self._auto.connect() as conn:
-            left = conn.execute(stmt).scalar()
-        return None if left is None else max(0, int(left))
-
     # -- operators: expire, cancel, retention --------------------------------------
 
-    @_db_errors
+    @db_errors
     def expire(self, run_id: str) -> bool:
         """End a running run's lease now, so another worker may take it over.
 
@@ -1388,10 +1188,10 @@ class LeaseStore:
             .where(runs.c.id == run_id, runs.c.status == schema.RUNNING)
             .values(lease_expires_at=now, updated_at=now)
         )
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             return conn.execute(stmt).rowcount == 1
 
-    @_db_errors
+    @db_errors
     def cancel(self, run_id: str, *, task_id: str | None = None, running: bool = True) -> str:
         """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
 
@@ -1429,7 +1229,7 @@ class LeaseStore:
                 updated_at=now,
             )
         )
-        with self._auto.connect() as conn:
+        with self.db.connect() as conn:
             if conn.execute(at_once).rowcount == 1:
                 return schema.CANCELLED
             if running and conn.execute(request).rowcount == 1:
@@ -1447,7 +1247,7 @@ class LeaseStore:
             return self.cancel(run_id, task_id=task_id, running=running)
         return str(status)
 
-    @_db_errors
+    @db_errors
     def purge_finished(self, status: str, older_than_ms: int, limit: int = PURGE_BATCH) -> int:
         """Delete the oldest ``limit`` rows of ``status`` finished over ``older_than_ms`` ago.
 
@@ -1467,70 +1267,69 @@ class LeaseStore:
             .limit(limit)
             .with_for_update(skip_locked=True)  # SQLite compiles no FOR UPDATE
         )
-        return self.database.purge(self.engine, self._auto, oldest, finished)
+        return self.db.database.purge(self.db.engine, self.db.auto, oldest, finished)
 
-    @_db_errors
-    def count_finished(self, status: str, older_than_ms: int) -> int:
-        """How many rows :meth:`purge_finished` would delete now, by index; read only."""
-        stmt = select(func.count()).select_from(runs).where(purgeable(status, older_than_ms))
-        with self._auto.connect() as conn:
-            return int(conn.execute(stmt).scalar_one())
+    @db_errors
+    def clear_results(self, finished_before_ms: int, limit: int = PURGE_BATCH) -> int:
+        """Drop the kept result of at most ``limit`` succeeded runs that finished before
+        ``finished_before_ms`` (DB clock): Celery's ``result_expires`` has passed for them.
+
+        Two short statements, oldest first in the order of the ``(status,
+        finished_at)`` index: the pick, then the update of the picked ids (the
+        condition re-checked). The store remembers up to when every result is
+        cleared, so a later call reads only the rows finished since (the first
+        call in a process reads the index from the start). Returns how many
+        results were cleared.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        expired = and_(
+            runs.c.status == SUCCEEDED,
+            runs.c.finished_at >= self._results_cleared_to,
+            runs.c.finished_at < finished_before_ms,
+            runs.c.result.is_not(None),
+        )
+        pick = (
+            select(runs.c.id, runs.c.finished_at)
+            .where(expired)
+            .order_by(runs.c.finished_at)
+            .limit(limit)
+        )
+        with self.db.connect() as conn:
+            picked = conn.execute(pick).all()
+        if len(picked) < limit:
+            self._results_cleared_to = max(self._results_cleared_to, finished_before_ms)
+        else:
+            self._results_cleared_to = max(self._results_cleared_to, int(picked[-1][1]))
+        if not picked:
+            return 0
+        stmt = (
+            update(runs)
+            .where(runs.c.id.in_([row[0] for row in picked]), expired)
+            .values(result=None, result_content_type=None)
+        )
+        with self.db.connect() as conn:
+            return int(conn.execute(stmt).rowcount)
+
+    @db_errors
+    def count_expired_results(self, finished_before_ms: int) -> int:
+        """How many results :meth:`clear_results` would drop for ``finished_before_ms``;
+        read only (``lease purge --dry-run``)."""
+        stmt = (
+            select(func.count())
+            .select_from(runs)
+            .where(
+                runs.c.status == SUCCEEDED,
+                runs.c.finished_at < finished_before_ms,
+                runs.c.result.is_not(None),
+            )
+        )
+        with self.db.connect() as conn:
+            return int(conn.execute(stmt).scalar() or 0)
 
     # -- the CLI's reads and rerun ------------------------------------------------
 
-    @_db_errors
-    def list_runs(
-        self, *, status: str | None = None, task_name: str | None = None, limit: int = 50
-    ) -> list[RunRecord]:
-        """Up to ``limit`` runs, newest first, filtered by status and task name; read only."""
-        stmt = select(runs).order_by(runs.c.created_at.desc(), runs.c.id).limit(max(0, limit))
-        if status is not None:
-            stmt = stmt.where(runs.c.status == status)
-        if task_name is not None:
-            stmt = stmt.where(runs.c.task_name == task_name)
-        with self._auto.connect() as conn:
-            rows = conn.execute(stmt).mappings().all()
-        return [RunRecord(**dict(row)) for row in rows]
-
-    @_db_errors
-    def stats(self, *, window_ms: int = 3_600_000) -> dict[str, Any]:
-        """Per-status counts, live and expired leases, oldest running run, recent expiries.
-
-        Read only, four statements (not one snapshot), each answered from the
-        ``(status, ...)`` indexes: the counts from the status index alone, the
-        rest from live rows and recently failed ones, never the whole table's
-        rows. Keys: ``now`` (DB clock,
-        epoch ms), ``counts`` (status -> rows), ``live_leases`` (running, lease
-        unexpired), ``expired_leases`` (running, lease expired: awaiting takeover
-        or the sweeper), ``oldest_running`` (a :class:`RunRecord` or None),
-        ``lease_expired_recent`` (rows with ``failure_code = 'lease_expired'``
-        updated within ``window_ms``; a finished row is last updated when it finished).
-        """
-        now = db_now_ms()
-        running = runs.c.status == schema.RUNNING
-        per_status = select(runs.c.status, func.count()).group_by(runs.c.status)
-        leases = select(
-            func.sum(case((runs.c.lease_expires_at > now, 1), else_=0)),
-            func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
-        ).where(running)
-        oldest = oldest_running()
-        # A scalar subquery is an index bound (a volatile clock is not).
-        recent = lease_expired_since(select(now - window_ms).scalar_subquery()).add_columns(now)
-        with self._auto.connect() as conn:
-            grouped = conn.execute(per_status).all()
-            live, expired = conn.execute(leases).one()
-            oldest_row = conn.execute(oldest).mappings().first()
-            expired_recent, db_now = conn.execute(recent).one()
-        return {
-            "now": int(db_now),
-            "counts": {str(r[0]): int(r[1]) for r in grouped},
-            "live_leases": int(live or 0),
-            "expired_leases": int(expired or 0),
-            "oldest_running": None if oldest_row is None else RunRecord(**dict(oldest_row)),
-            "lease_expired_recent": int(expired_recent),
-        }
-
-    @_db_errors
+    @db_errors
     def rerun(
         self,
         run_id: str,
@@ -1550,6 +1349,8 @@ class LeaseStore:
         and the run's own ``task_id`` too unless ``task_id`` gives the one it is
         published under now. The checkpoint is kept (the next attempt resumes
         from it) unless ``from_scratch``, which clears it and the progress.
+        A ``succeeded`` run's ``generation`` grows by one (only then): its
+        idempotency keys change, so the rerun's external effects happen anew.
         Returns the row as it is now. Raises
         :class:`RunNotFound`, or :class:`RunNotRerunnable` with the status found.
         """
@@ -1557,9 +1358,68 @@ class LeaseStore:
             raise ValueError("attempts must be at least 1")
         allowed = [schema.FAILED, schema.CANCELLED] + ([schema.SUCCEEDED] if force else [])
         now = db_now_ms()
+        values: dict[str, Any] = {
+            "status": schema.QUEUED,
+            "max_attempts": runs.c.attempt + attempts,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "heartbeat_at": None,
+            "available_at": now,
+            "cancel_requested_at": None,
+            "started_at": None,
+            "finished_at": None,
+            "last_error": None,
+            "failure_code": None,
+            "requeues": 0,
+            "updated_at": now,
+            **({} if task_id is None else {"task_id": task_id}),
+            **(_FROM_SCRATCH if from_scratch else {}),
+        }
+        bump = case((runs.c.status == SUCCEEDED, runs.c.generation + 1), else_=runs.c.generation)
         stmt = (
             update(runs)
             .where(runs.c.id == run_id, runs.c.status.in_(allowed))
+            # The generation first: MySQL evaluates SET left to right, so a later
+            # assignment would read the status this statement already set.
+            .ordered_values(("generation", bump), *values.items())
+        )
+        with self.db.connect() as conn:
+            changed = conn.execute(stmt).rowcount
+        record = self.get(run_id)
+        if record is None:
+            raise RunNotFound(run_id)
+        if changed != 1:
+            raise RunNotRerunnable(run_id, record.status)
+        return record
+
+    @db_errors
+    def rerun_many(
+        self, task_ids: Mapping[str, str], *, status: str, attempts: int
+    ) -> list[RunRecord]:
+        """Put the runs ``task_ids`` names (run id -> the new task id to publish each under)
+        back to ``queued``, as :meth:`rerun` does, if each is still ``status`` (``failed`` or
+        ``cancelled``) and keeps a stored message; the rows changed, as they are now.
+
+        One short transaction: one guarded ``UPDATE .. WHERE id IN (..) AND status = ..``
+        (the new task ids by one ``CASE`` on the id), then the read of the rows it changed
+        (found by their new task ids, which nothing else writes). A run that changed
+        meanwhile, or has no message to publish, is left alone and not returned.
+        """
+        if status not in (schema.FAILED, schema.CANCELLED):
+            raise ValueError(f"only failed or cancelled runs are rerun in bulk, not {status!r}")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        if not task_ids:
+            return []
+        ids = list(task_ids)
+        now = db_now_ms()
+        stmt = (
+            update(runs)
+            .where(
+                runs.c.id.in_(ids),
+                runs.c.status == status,
+                runs.c.payload.is_not(None),
+            )
             .values(
                 status=schema.QUEUED,
                 max_attempts=runs.c.attempt + attempts,
@@ -1574,149 +1434,23 @@ class LeaseStore:
                 failure_code=None,
                 requeues=0,
                 updated_at=now,
-                **({} if task_id is None else {"task_id": task_id}),
-                **(_FROM_SCRATCH if from_scratch else {}),
+                task_id=case(task_ids, value=runs.c.id, else_=runs.c.task_id),
             )
         )
-        with self._auto.connect() as conn:
-            changed = conn.execute(stmt).rowcount
-        record = self.get(run_id)
-        if record is None:
-            raise RunNotFound(run_id)
-        if changed != 1:
-            raise RunNotRerunnable(run_id, record.status)
-        return record
-
-    @_db_errors
-    def live_leases(self, limit: int = 50) -> list[RunRecord]:
-        """Up to ``limit`` running runs, soonest lease expiry first; read only.
-
-        An index range on ``(status, lease_expires_at)``: the expired leases
-        (awaiting takeover or the sweeper) come first.
-        """
-        stmt = (
-            select(runs)
-            .where(runs.c.status == schema.RUNNING)
-            .order_by(runs.c.lease_expires_at, runs.c.id)
-            .limit(max(0, limit))
+        changed = select(runs).where(
+            runs.c.id.in_(ids), runs.c.task_id.in_(list(task_ids.values()))
         )
-        with self._auto.connect() as conn:
-            rows = conn.execute(stmt).mappings().all()
+        with self.db.begin() as conn:
+            if conn.execute(stmt).rowcount == 0:
+                return []
+            rows = conn.execute(changed).mappings().all()
         return [RunRecord(**dict(row)) for row in rows]
-
-    @_db_errors
-    def activity(self, now: int, window_ms: int = 60_000) -> Activity:
-        """Counts of live runs per status, and of the runs that ended or went
-        ``retrying`` within ``window_ms`` before ``now``; one read-only statement.
-
-        ``now`` is the database clock (:meth:`now_ms`), passed as a value: the
-        planner then sees the window's bound and reads only index ranges on
-        ``(status, lease_expires_at)``, never the whole table (a bound computed
-        in the statement from the volatile clock hides its selectivity, and
-        PostgreSQL scans the table). Read: every live row, plus the terminal and
-        ``retrying`` rows whose lease ended inside the window (each end of an
-        attempt sets ``lease_expires_at`` to that moment).
-        """
-        since = now - window_ms
-        live = (schema.QUEUED, schema.RUNNING, schema.RETRYING)
-        recent = runs.c.lease_expires_at >= since
-        stmt = (
-            select(
-                runs.c.status,
-                func.count(),
-                func.sum(case((recent, 1), else_=0)),
-                func.sum(case((runs.c.attempt > 1, 1), else_=0)),
-                func.sum(case((runs.c.lease_expires_at <= now, 1), else_=0)),
-            )
-            .where(
-                or_(
-                    runs.c.status.in_(live),
-                    and_(runs.c.status.in_(sorted(schema.TERMINAL_STATUSES)), recent),
-                )
-            )
-            .group_by(runs.c.status)
-        )
-        with self._auto.connect() as conn:
-            rows = conn.execute(stmt).all()
-        counts = {str(r[0]): int(r[1]) for r in rows if r[0] in live}
-        ended = {str(r[0]): int(r[1]) for r in rows if r[0] not in live}
-        by_status = {str(r[0]): r for r in rows}
-        retrying = by_status.get(schema.RETRYING)
-        running = by_status.get(schema.RUNNING)
-        return Activity(
-            now=now,
-            window_ms=window_ms,
-            counts={status: counts.get(status, 0) for status in live},
-            ended_recently={
-                status: ended.get(status, 0) for status in sorted(schema.TERMINAL_STATUSES)
-            },
-            retried_recently=0 if retrying is None else int(retrying[2] or 0),
-            running_retries=0 if running is None else int(running[3] or 0),
-            expired_leases=0 if running is None else int(running[4] or 0),
-        )
 
     # -- the web view's reads ---------------------------------------------------------
 
-    @_db_errors
-    def page_runs(self, query: RunPageQuery) -> list[RunSummary]:
-        """One page of runs for ``query``; read only, one statement.
 
-        Every status is an index range from the keyset bound (see
-        :func:`~celery_lease.store.sql.run_page`), so a page costs the same on
-        the millionth row as on the first. The stored message, the result and
-        the error text are not read.
-        """
-        with self._auto.connect() as conn:
-            rows = conn.execute(run_page(query)).mappings().all()
-        return [RunSummary(**dict(row)) for row in rows]
-
-    @_db_errors
-    def task_counts(self, now: int, window_ms: int = 3_600_000) -> list[TaskCounts]:
-        """Per task: live runs per status, runs that finished within ``window_ms`` before
-        ``now`` per terminal status, running runs whose lease has expired, and runs whose
-        lease expired (``failure_code = 'lease_expired'``) updated within the window; read
-        only, one statement, by task name.
-
-        ``now`` is the database clock (:meth:`now_ms`) passed as a value, so the
-        window is an index bound: only live rows and the window's finished rows
-        are read, from the ``(status, ...)`` indexes, never the whole table.
-        """
-        since = now - window_ms
-        live = (schema.QUEUED, schema.RUNNING, schema.RETRYING)
-        expired = and_(runs.c.status == schema.RUNNING, runs.c.lease_expires_at <= now)
-        stmt = (
-            select(
-                runs.c.task_name,
-                runs.c.status,
-                func.count(),
-                func.sum(case((expired, 1), else_=0)),
-                func.sum(case((lease_expired_since(since).whereclause, 1), else_=0)),
-            )
-            .where(
-                or_(
-                    runs.c.status.in_(live),
-                    and_(
-                        runs.c.status.in_(sorted(schema.TERMINAL_STATUSES)),
-                        runs.c.finished_at >= since,
-                    ),
-                )
-            )
-            .group_by(runs.c.task_name, runs.c.status)
-        )
-        with self._auto.connect() as conn:
-            rows = conn.execute(stmt).all()
-        found: dict[str, list[Any]] = {}
-        for task_name, status, count, expired_leases, lease_expired in rows:
-            entry = found.setdefault(str(task_name), [{}, {}, 0, 0])
-            entry[0 if status in live else 1][str(status)] = int(count)
-            entry[2] += int(expired_leases or 0)
-            entry[3] += int(lease_expired or 0)
-        return [TaskCounts(name, *found[name]) for name in sorted(found)]
-
-    @_db_errors
-    def oldest_running(self) -> RunRecord | None:
-        """The running run that started first (None if none runs); read only, from the
-        running rows of the ``(status, ...)`` indexes."""
-        with self._auto.connect() as conn:
-            row = conn.execute(oldest_running()).mappings().first()
-        return None if row is None else RunRecord(**dict(row))
+def _sqlite_file(database: str) -> str | None:
+    """The real path of a SQLite URL's file; None for an in-memory or URI database."""
+    if database == ":memory:" or database.startswith("file:"):
+        return None
+    return os.path.realpath(database)

@@ -1,11 +1,15 @@
-"""PostgreSQL, directly or behind a transaction pooler: :class:`PostgreSQL`."""
+"""PostgreSQL, directly or behind a transaction pooler: :class:`PostgreSQL`, its migration
+lock and its online DDL."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, ClassVar
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import sqlalchemy
 from sqlalchemy import (
     Connection,
     Engine,
@@ -15,26 +19,40 @@ from sqlalchemy import (
     event,
     func,
     select,
+    text,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from ..schema import runs
-from .bounds import WaitBounds
+from .bounds import MigrationBounds, WaitBounds
 from .database import (
+    ClaimPath,
     Classification,
     Database,
-    LockedClaim,
+    DDLLockTimeout,
+    MigrationLock,
+    MigrationLockTimeout,
+    OnlineDDL,
     UpsertClaim,
+    own_transactions,
     permanent,
+    retry_ddl,
+    server_engines,
+    server_single_statements,
     transient,
+    unresolvable_host,
     upsert_kept,
     upsert_rate,
+    upsert_renew,
     upsert_waiting,
 )
 from .driver import _ClientWatchdog
+
+if TYPE_CHECKING:
+    from alembic.operations import Operations
 
 #: psycopg's own default: a statement is prepared on its sixth run.
 PSYCOPG_PREPARE_THRESHOLD = 5
@@ -132,6 +150,27 @@ class PostgreSQL(Database):
             self._detect_pooler(engine, bounds, watchdog)
         return engine
 
+    def open(self, url: str, bounds: WaitBounds, **kwargs: Any) -> tuple[Engine, Engine | None]:
+        """Two engines: transactions, and single statements in autocommit mode."""
+        return server_engines(self, url, bounds, **kwargs)
+
+    def single_statements(
+        self, engine: Engine, bounds: WaitBounds, given: Engine | None
+    ) -> tuple[Engine, bool]:
+        """The autocommit engine :meth:`open` made (else ``engine``'s pool, borrowed)."""
+        return server_single_statements(engine, given)
+
+    def prepare(self, engine: Engine) -> None:
+        """Nothing: an operator makes the tables with ``celery lease migrate``."""
+
+    def unreachable(self, url: URL) -> str | None:
+        """A host that does not resolve."""
+        return unresolvable_host(url)
+
+    def missing(self, url: URL) -> str | None:
+        """Nothing to see without connecting (the server says so)."""
+        return None
+
     @staticmethod
     def _detect_pooler(engine: Engine, bounds: WaitBounds, watchdog: _ClientWatchdog) -> None:
         """Prepared statements and session timeouts on connections that reach PostgreSQL directly.
@@ -189,7 +228,7 @@ class PostgreSQL(Database):
         """PostgreSQL's ``INSERT``, with ``ON CONFLICT``."""
         return postgresql.insert(table)
 
-    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> UpsertClaim | LockedClaim:
+    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> ClaimPath:
         """One upsert."""
         return UpsertClaim(self.insert, auto, raw=raw)
 
@@ -202,6 +241,10 @@ class PostgreSQL(Database):
                 select(func.pg_try_advisory_xact_lock(func.hashtextextended(key, 0)))
             ).scalar()
         )
+
+    def count_live(self, query: Any) -> Any:
+        """The plain count: the key's advisory lock (:meth:`lock_key`) serializes its claims."""
+        return query
 
     def record_waiting(
         self, conn: Connection, waiting: dict[str, Any], bump: dict[str, Any]
@@ -223,8 +266,7 @@ class PostgreSQL(Database):
         params: dict[str, Any] | None = None,
     ) -> Sequence[Any]:
         """One ``UPDATE .. RETURNING``."""
-        with auto.connect() as conn:
-            return conn.execute(renew.returning(*columns), params or {}).all()
+        return upsert_renew(auto, renew, columns, params)
 
     def keep(
         self,
@@ -234,8 +276,12 @@ class PostgreSQL(Database):
         adopt: Any,
         keeps: Any,
     ) -> bool:
-        """One conditional upsert (see :meth:`Database.keep`)."""
+        """One conditional upsert (see :func:`~celery_lease.store.database.upsert_kept`)."""
         return upsert_kept(self.insert, auto, waiting, adopt, keeps)
+
+    def lock_expired(self, query: Any) -> Any:
+        """``FOR UPDATE SKIP LOCKED``: a row a stalled transaction holds is skipped this time."""
+        return query.with_for_update(skip_locked=True)
 
     def purge(self, engine: Engine, auto: Engine, oldest: Any, purgeable: Any) -> int:
         """``id = ANY(ARRAY(...))``: an index condition on the primary key; with ``IN (...)``
@@ -243,6 +289,152 @@ class PostgreSQL(Database):
         picked = runs.c.id == func.any(func.array(oldest.scalar_subquery()))
         with auto.connect() as conn:
             return int(conn.execute(delete(runs).where(picked)).rowcount)
+
+    def migration_lock(self) -> MigrationLock:
+        """An advisory lock (:class:`PostgresMigrationLock`)."""
+        return PostgresMigrationLock()
+
+    def online_ddl(self, operations: Operations, bounds: MigrationBounds) -> OnlineDDL:
+        """Indexes built concurrently, other changes under a short ``lock_timeout``
+        (:class:`PostgresDDL`)."""
+        return PostgresDDL(operations, bounds)
+
+
+#: The advisory lock key of ``lease migrate``: a fixed 64-bit number ("cellmigr").
+PG_LOCK_KEY = 0x63656C6C6D696772
+
+
+class PostgresMigrationLock(MigrationLock):
+    """``pg_try_advisory_xact_lock``, tried in short transactions until ``timeout``.
+
+    Transaction-scoped, so it is released when the lock's transaction ends and
+    works behind PgBouncer in transaction mode (a session lock would not). The
+    migration runs on a second connection, so it can commit step by step (and
+    build indexes outside any transaction) while the lock stays held.
+    """
+
+    #: Seconds between two tries.
+    POLL = 0.1
+
+    def acquire(self, connection: Connection, timeout: float) -> None:
+        """Take the advisory lock; the transaction it is taken in ends it (commit or rollback).
+
+        Each losing try is its own short transaction, rolled back at once: a
+        waiter blocked inside ``pg_advisory_xact_lock`` would hold a snapshot,
+        and the holder's ``CREATE INDEX CONCURRENTLY`` waits for every older
+        snapshot to end, so holder and waiter would wait for each other.
+        """
+        deadline = time.monotonic() + timeout
+        try_lock = text("SELECT pg_try_advisory_xact_lock(:key)")
+        while not connection.execute(try_lock, {"key": PG_LOCK_KEY}).scalar():
+            connection.rollback()
+            if time.monotonic() >= deadline:
+                raise MigrationLockTimeout(timeout)
+            time.sleep(min(self.POLL, max(0.0, deadline - time.monotonic())))
+        # End on a statement that takes no snapshot: the last SELECT's portal
+        # would keep its snapshot for as long as this transaction stays open.
+        connection.exec_driver_sql("SHOW lock_timeout")
+
+    def release(self, connection: Connection) -> None:
+        """End the lock's transaction."""
+        connection.rollback()
+
+    @contextmanager
+    def held(self, connection: Connection, timeout: float) -> Iterator[Connection]:
+        """Hold the lock in ``connection``'s transaction; migrate on a second connection."""
+        self.acquire(connection, timeout)
+        try:
+            with connection.engine.connect() as migrating:
+                yield migrating
+        finally:
+            self.release(connection)
+
+
+class PostgresDDL(OnlineDDL):
+    """``CREATE INDEX CONCURRENTLY`` outside the transaction; ``lock_timeout`` on the rest.
+
+    ``ALTER TABLE`` needs the table's ``ACCESS EXCLUSIVE`` lock (for a
+    catalog-only change, briefly); while it waits, every write queues behind
+    it. So it waits at most ``bounds.lock_wait`` (a transaction-local
+    ``lock_timeout``), then gives up, lets the queue drain for ``bounds.pause``
+    and tries again. A concurrent index build takes ``SHARE UPDATE EXCLUSIVE``,
+    which no write waits for, so it may wait for open transactions as long as
+    the migration keeps trying (``bounds.total``). A concurrent build that failed
+    leaves an ``INVALID`` index: it is dropped and built again, by this run or
+    by the next ``migrate``.
+    """
+
+    @staticmethod
+    def _timed_out(exc: sa_exc.OperationalError) -> bool:
+        return getattr(exc.orig, "sqlstate", None) == "55P03"  # lock_not_available
+
+    def bounded(self, change: Callable[[], None]) -> None:
+        """Run ``change`` in a savepoint under ``SET LOCAL lock_timeout``, retrying a timeout."""
+        connection = self.op.get_bind()
+        wait = f"SET LOCAL lock_timeout = '{_ms(self.bounds.lock_wait)}ms'"
+
+        def attempt() -> None:
+            with connection.begin_nested():
+                connection.exec_driver_sql(wait)
+                change()
+
+        retry_ddl(attempt, self._timed_out, self.bounds)
+
+    def add_column(self, table: str, column: sqlalchemy.Column[Any]) -> None:
+        """``ADD COLUMN`` (catalog only) under a bounded wait for its brief exclusive lock."""
+        self.bounded(lambda: self.op.add_column(table, column))
+
+    def create_index(self, name: str, table: str, columns: Sequence[str]) -> None:
+        """Build the index concurrently; drop an ``INVALID`` leftover first.
+
+        Inside a caller's own transaction (``alembic_config(connection)`` used
+        by hand) nothing can run outside it: a plain build, under a bounded wait.
+        """
+        if not own_transactions(self.op):
+            self.bounded(lambda: self.op.create_index(name, table, list(columns)))
+            return
+        self._concurrently(lambda: self._build(self.op.get_bind(), name, table, columns))
+
+    def drop_index(self, name: str, table: str) -> None:
+        """``DROP INDEX CONCURRENTLY`` outside the transaction (plain inside a caller's)."""
+        if not own_transactions(self.op):
+            self.bounded(lambda: self.op.drop_index(name, table_name=table))
+            return
+        self._concurrently(
+            lambda: self.op.drop_index(
+                name, table_name=table, postgresql_concurrently=True, if_exists=True
+            )
+        )
+
+    def _concurrently(self, change: Callable[[], None]) -> None:
+        """Run ``change`` outside any transaction, waiting at most ``bounds.total`` for locks
+        (none that a write waits for)."""
+        with self.op.get_context().autocommit_block():
+            connection = self.op.get_bind()
+            connection.exec_driver_sql(f"SET lock_timeout = '{_ms(self.bounds.total)}ms'")
+            try:
+                change()
+            except sa_exc.OperationalError as exc:
+                if self._timed_out(exc):
+                    raise DDLLockTimeout(self.bounds, 1, self.bounds.total) from exc
+                raise
+            finally:
+                connection.exec_driver_sql("RESET lock_timeout")
+
+    def _build(self, connection: Connection, name: str, table: str, columns: Sequence[str]) -> None:
+        valid = connection.execute(
+            text("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(:name)"),
+            {"name": name},
+        ).scalar()
+        if valid:
+            return
+        if valid is not None:  # a failed or interrupted concurrent build
+            self.op.drop_index(name, table_name=table, postgresql_concurrently=True)
+        self.op.create_index(name, table, list(columns), postgresql_concurrently=True)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
 
 
 def _threshold(value: Any) -> int | None:

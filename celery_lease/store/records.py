@@ -69,6 +69,9 @@ class ClaimResult:
     #: claimer's ``traceparent``, then that of the attempt it took over from (None
     #: when the claimer traces nothing).
     trace_context: str | None = None
+    #: For ``claimed``: the run's generation, read by the claim statement itself (raised
+    #: only by ``lease rerun --force`` of a succeeded run; part of its idempotency keys).
+    generation: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,12 @@ class RunRecord:
     result_content_type: str | None = None
     #: Times the sweeper published the run since a worker last claimed it.
     requeues: int = 0
+    #: Times a claim took the run over from an expired lease, in all, and the last time.
+    takeovers: int = 0
+    taken_over_at: int | None = None
+    #: Times the sweeper published the run, in all (no claim resets it), and the last time.
+    republishes: int = 0
+    republished_at: int | None = None
     #: The latest checkpoint (JSON text) and when it was saved (DB clock).
     checkpoint: str | None = None
     checkpoint_at: int | None = None
@@ -121,6 +130,8 @@ class RunRecord:
     #: The last claimer's W3C ``traceparent``, then that of the attempt it took
     #: over from (``celery-lease[otel]``); None when it traced nothing.
     trace_context: str | None = None
+    #: Raised only by ``lease rerun --force`` of a succeeded run (idempotency keys).
+    generation: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -130,7 +141,7 @@ class RunRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Activity:
-    """What :meth:`LeaseStore.activity` counted; times are epoch ms (DB clock).
+    """What :meth:`RunReads.activity` counted; times are epoch ms (DB clock).
 
     ``counts``: live runs per status (queued, running, retrying).
     ``ended_recently``: runs that ended within the window, per terminal status.
@@ -169,6 +180,9 @@ class RunSummary:
     updated_at: int
     progress_done: float | None = None
     progress_total: float | None = None
+    #: The Celery task id of the delivery that claimed the run last (a bulk rerun links
+    #: the new one to it).
+    task_id: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -178,38 +192,63 @@ class RunSummary:
 
 @dataclasses.dataclass(frozen=True)
 class RunPageQuery:
-    """What :meth:`LeaseStore.page_runs` lists: filters and the keyset bound of a page.
+    """What :meth:`RunReads.page_runs` lists: filters and the keyset bound of a page.
 
     ``id_prefix`` lists the runs whose id (a keyed run's ``task:key``) starts with it,
     ordered by id, and pages by ``after_id`` alone; otherwise runs come newest first
     and a page starts after ``(after_created, after_id)``, the last row of the one
     before. ``created_since``: epoch ms (DB clock); older runs are left out.
+    ``finished_since``: epoch ms (DB clock); only runs that finished then or later.
     """
 
     status: str | None = None
     task_name: str | None = None
     id_prefix: str | None = None
     created_since: int | None = None
+    finished_since: int | None = None
     after_created: int | None = None
     after_id: str | None = None
     limit: int = 50
 
 
+#: The failure codes of a run ended because its lease expired on its last attempt
+#: (``lease_expired``) or its message was never claimed (``undeliverable``).
+EXPIRED_ENDINGS = ("lease_expired", "undeliverable")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskCounts:
-    """What :meth:`LeaseStore.task_counts` counted for one task (DB clock, one window).
+    """What :meth:`RunReads.task_counts` counted for one task (DB clock, one window).
 
     ``live``: runs per live status. ``ended_recently``: runs that finished within the
     window, per terminal status. ``expired_leases``: running runs whose lease has
-    expired (awaiting takeover or the sweeper). ``lease_expired_recently``: runs whose
-    lease expired (``failure_code = 'lease_expired'``) updated within the window.
+    expired (awaiting takeover or the sweeper). Within the window: ``taken_over``, runs
+    a claim took over from an expired lease; ``republished``, runs the sweeper
+    published again (an expired lease, or a message never claimed); ``ended_expired``,
+    runs that ended ``failed`` because their lease expired on the last attempt or
+    their message was never claimed (:data:`EXPIRED_ENDINGS`). Each counts runs (a run
+    taken over twice in the window counts once).
     """
 
     task_name: str
     live: dict[str, int]
     ended_recently: dict[str, int]
     expired_leases: int = 0
-    lease_expired_recently: int = 0
+    taken_over: int = 0
+    republished: int = 0
+    ended_expired: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RateBucket:
+    """One fleet-wide rate bucket (``celery_lease_rates``): a task, its rate key (``""``
+    for none) and the theoretical arrival time of its next delivery, epoch ms (DB clock);
+    ``now`` is the database clock when it was read."""
+
+    task_name: str
+    rate_key: str
+    tat: int
+    now: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,3 +292,27 @@ class FlowCounts:
     now: int
     paused: dict[tuple[str, str], int]
     deferred: dict[tuple[str, str], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowupMessage:
+    """One follow-up task to record in a fenced transaction: its derived task id, its
+    task name and its signature, serialized (``payload``, ``payload_content_type``)."""
+
+    task_id: str
+    task_name: str
+    payload: bytes
+    payload_content_type: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRecord:
+    """One follow-up taken from ``celery_lease_outbox`` to publish; times epoch ms
+    (DB clock)."""
+
+    task_id: str
+    run_id: str
+    task_name: str
+    payload: bytes
+    payload_content_type: str
+    created_at: int

@@ -22,6 +22,7 @@ from sqlalchemy import (
     exists,
     func,
     literal,
+    literal_column,
     or_,
     select,
     union_all,
@@ -162,11 +163,23 @@ def claimable(max_attempts: Any) -> Any:
 
 
 def takeover_values(
-    owner: Any, lease_ms: Any, max_attempts: Any, values: dict[str, Any]
+    owner: Any, lease_ms: Any, max_attempts: Any, values: dict[str, Any], now: Any = None
 ) -> dict[str, Any]:
-    """The values a claim sets on a row it takes over: the next attempt, a fresh lease."""
-    now = db_now_ms()
+    """The values a claim sets on a row it takes over: the next attempt, a fresh lease.
+
+    ``now``: the database clock (default :class:`db_now_ms`; the upsert passes the clock
+    reading of the row it proposed). A row still ``running`` (its lease expired) is a
+    takeover: ``takeovers`` grows by one and ``taken_over_at`` is now. Those two come
+    first: MySQL assigns ``SET`` left to right, each expression seeing the columns already
+    assigned, so they must read ``status`` before it is set (the locked claim keeps this
+    order, see ``LockedClaim``).
+    """
+    now = db_now_ms() if now is None else now
+    expired = runs.c.status == RUNNING
     return {
+        "takeovers": runs.c.takeovers
+        + case((expired, literal_column("1")), else_=literal_column("0")),
+        "taken_over_at": case((expired, now), else_=runs.c.taken_over_at),
         "status": RUNNING,
         "lease_owner": owner,
         # The claimer's delivery becomes the run's own: its id and message.
@@ -263,7 +276,7 @@ def claim_upsert(insert: InsertBuilder) -> Any:
     not paused RETURNING`` with bind parameters.
 
     Returns the new attempt, expiry, attempt ceiling, the run's checkpoint (kept by a
-    takeover, NULL on an insert) and trace context; no row when the run was not
+    takeover, NULL on an insert), trace context and generation; no row when the run was not
     claimable or its task (or concurrency key) is paused. Its parameters come from
     :func:`claim_params`.
     """
@@ -284,21 +297,22 @@ def claim_upsert(insert: InsertBuilder) -> Any:
         "trace_context": bindparam("p_trace_context", type_=String),
     }
     unpaused = not_paused(values["task_name"], values["concurrency_key"])
-    return (
-        insert(runs)
-        .from_select(*insert_source(values, lease_ms))
-        .on_conflict_do_update(
-            index_elements=[runs.c.id],
-            set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values),
-            where=and_(claimable(max_attempts), unpaused),
-        )
-        .returning(
-            runs.c.attempt,
-            runs.c.lease_expires_at,
-            runs.c.max_attempts,
-            runs.c.checkpoint,
-            runs.c.trace_context,
-        )
+    upsert = insert(runs).from_select(*insert_source(values, lease_ms))
+    # The proposed row's clock reading is the takeover's now: the statement then stays
+    # under psycopg's 4 KiB query cache (a longer one is parsed again on every claim,
+    # about 0.1 ms of CPU each), whatever the clock's SQL.
+    now = upsert.excluded.heartbeat_at
+    return upsert.on_conflict_do_update(
+        index_elements=[runs.c.id],
+        set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values, now),
+        where=and_(claimable(max_attempts), unpaused),
+    ).returning(
+        runs.c.attempt,
+        runs.c.lease_expires_at,
+        runs.c.max_attempts,
+        runs.c.checkpoint,
+        runs.c.trace_context,
+        runs.c.generation,
     )
 
 
@@ -379,15 +393,7 @@ def run_page(query: RunPageQuery) -> Any:
     """
     limit = max(0, query.limit)
     if query.id_prefix is not None:
-        prefix = query.id_prefix
-        where = [
-            runs.c.id >= prefix,
-            runs.c.id < prefix + _PREFIX_TOP,
-            # The range bounds the index scan; LIKE keeps only true prefixes (a
-            # collation may order ids otherwise than code points).
-            runs.c.id.startswith(prefix, autoescape=True),
-            *_run_filters(query, query.status),
-        ]
+        where = run_filter(query)
         if query.after_id is not None:
             where.append(runs.c.id > query.after_id)
         return select(*SUMMARY_COLUMNS).where(*where).order_by(runs.c.id).limit(limit)
@@ -418,6 +424,22 @@ def run_page(query: RunPageQuery) -> Any:
     )
 
 
+def run_filter(query: RunPageQuery) -> list[Any]:
+    """The conditions of ``query``'s filters (its id prefix as an index range), without its
+    keyset bound: the runs its pages list, all together."""
+    where = _run_filters(query, query.status)
+    if query.id_prefix is not None:
+        prefix = query.id_prefix
+        where += [
+            runs.c.id >= prefix,
+            runs.c.id < prefix + _PREFIX_TOP,
+            # The range bounds the index scan; LIKE keeps only true prefixes (a
+            # collation may order ids otherwise than code points).
+            runs.c.id.startswith(prefix, autoescape=True),
+        ]
+    return where
+
+
 def _run_filters(query: RunPageQuery, status: str | None) -> list[Any]:
     """The conditions of a page for one status (None: any)."""
     where: list[Any] = []
@@ -427,6 +449,8 @@ def _run_filters(query: RunPageQuery, status: str | None) -> list[Any]:
         where.append(runs.c.task_name == query.task_name)
     if query.created_since is not None:
         where.append(runs.c.created_at >= query.created_since)
+    if query.finished_since is not None:
+        where.append(runs.c.finished_at >= query.finished_since)
     return where
 
 

@@ -1,32 +1,48 @@
-"""SQLite, the embedded default: :class:`SQLite`."""
+"""SQLite, the embedded default: :class:`SQLite` and its migration lock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, ClassVar
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     Connection,
     Engine,
     Table,
+    create_engine,
+    delete,
     event,
 )
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from .bounds import WaitBounds
+from ..schema import runs
+from .bounds import MigrationBounds, WaitBounds
 from .database import (
+    ClaimPath,
     Classification,
     Database,
-    LockedClaim,
+    MigrationLock,
+    MigrationLockTimeout,
+    OnlineDDL,
+    PlainDDL,
     UpsertClaim,
     create_schema,
     permanent,
     transient,
     upsert_kept,
     upsert_rate,
+    upsert_renew,
     upsert_waiting,
 )
+
+if TYPE_CHECKING:
+    from alembic.operations import Operations
 
 #: Execution option for single statements on SQLite: no ``BEGIN``, and no
 #: isolation-level switch (SQLAlchemy's costs a PRAGMA at check-out and check-in).
@@ -80,6 +96,13 @@ class SQLite(Database):
             clock_sql="CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)",
         )
 
+    def create_engine(self, url: str, bounds: WaitBounds, **kwargs: Any) -> Engine:
+        """A plain engine; :meth:`single_statements` sets the busy timeout and WAL on it."""
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        return create_engine(
+            make_url(url), connect_args=connect_args, hide_parameters=True, **kwargs
+        )
+
     def open(self, url: str, bounds: WaitBounds, **kwargs: Any) -> tuple[Engine, Engine | None]:
         """One engine: single statements share its pool (see :meth:`single_statements`)."""
         return self.create_engine(url, bounds, **kwargs), None
@@ -97,6 +120,21 @@ class SQLite(Database):
         """The embedded default needs no migrate step: create the table and its indexes."""
         create_schema(engine)
 
+    def unreachable(self, url: URL) -> str | None:
+        """A file whose directory does not exist (SQLite would not create the directory)."""
+        path = _file_of(url)
+        if path is None:
+            return None
+        folder = os.path.dirname(os.path.abspath(path))
+        return None if os.path.isdir(folder) else f"directory {folder} does not exist"
+
+    def missing(self, url: URL) -> str | None:
+        """A file that does not exist: connecting would silently create an empty one."""
+        path = _file_of(url)
+        if path is None or os.path.exists(path):
+            return None
+        return "SQLite file does not exist (check lease_database_url and the working directory)"
+
     def classify_driver_error(self, orig: BaseException) -> Classification | None:
         """The primary result code (``sqlite_errorcode & 0xFF``) and, for the catch-all
         ``SQLITE_ERROR``, the message."""
@@ -111,13 +149,25 @@ class SQLite(Database):
                 return classification
         return None
 
+    def lock_wait_ended(self, exc: sa_exc.DBAPIError) -> bool:
+        """Never: no row locks here; a busy database ends in ``database is locked``."""
+        return False
+
     def insert(self, table: Table) -> Any:
         """SQLite's ``INSERT``, with ``ON CONFLICT``."""
         return sqlite.insert(table)
 
-    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> UpsertClaim | LockedClaim:
-        """One upsert. The key lock of a limited claim is ``BEGIN IMMEDIATE``'s write lock."""
+    def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> ClaimPath:
+        """One upsert."""
         return UpsertClaim(self.insert, auto, raw=raw)
+
+    def lock_key(self, conn: Connection, key: str) -> bool:
+        """Nothing to take: ``BEGIN IMMEDIATE``'s write lock already serializes the claim."""
+        return True
+
+    def count_live(self, query: Any) -> Any:
+        """The plain count: the transaction is the only writer."""
+        return query
 
     def record_waiting(
         self, conn: Connection, waiting: dict[str, Any], bump: dict[str, Any]
@@ -139,8 +189,7 @@ class SQLite(Database):
         params: dict[str, Any] | None = None,
     ) -> Sequence[Any]:
         """One ``UPDATE .. RETURNING``."""
-        with auto.connect() as conn:
-            return conn.execute(renew.returning(*columns), params or {}).all()
+        return upsert_renew(auto, renew, columns, params)
 
     def keep(
         self,
@@ -150,12 +199,26 @@ class SQLite(Database):
         adopt: Any,
         keeps: Any,
     ) -> bool:
-        """One conditional upsert (see :meth:`Database.keep`)."""
+        """One conditional upsert (see :func:`~celery_lease.store.database.upsert_kept`)."""
         return upsert_kept(self.insert, auto, waiting, adopt, keeps)
 
     def lock_expired(self, query: Any) -> Any:
         """No row locks: the sweep's transaction is the only writer."""
         return query
+
+    def purge(self, engine: Engine, auto: Engine, oldest: Any, purgeable: Any) -> int:
+        """One statement, ``id IN (..)``: the writer is alone and the rows were picked by the
+        guard, so no second filter."""
+        with auto.connect() as conn:
+            return int(conn.execute(delete(runs).where(runs.c.id.in_(oldest))).rowcount)
+
+    def migration_lock(self) -> MigrationLock:
+        """The file's write lock (:class:`SQLiteMigrationLock`)."""
+        return SQLiteMigrationLock()
+
+    def online_ddl(self, operations: Operations, bounds: MigrationBounds) -> OnlineDDL:
+        """Plain DDL: the migration already holds the file's write lock throughout."""
+        return PlainDDL(operations, bounds)
 
     def _configure(self, engine: Engine, bounds: WaitBounds) -> None:
         """WAL, a busy timeout (``bounds.statement``, at least 1 s), and ``BEGIN IMMEDIATE``."""
@@ -190,3 +253,53 @@ class SQLite(Database):
             event.listen(engine, "begin", on_begin)
             event.listen(engine.pool, "checkout", on_checkout)
             engine.dispose()  # connections made before the listeners would lack the settings
+
+
+def _file_of(url: URL) -> str | None:
+    """The file a SQLite URL names (None in memory, or for a ``file:`` URI)."""
+    path = url.database
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    return str(path)
+
+
+class SQLiteMigrationLock(MigrationLock):
+    """``BEGIN IMMEDIATE``: the file's write lock, held by the one transaction the whole
+    migration runs in, waiting at most ``timeout`` for it (``busy_timeout``)."""
+
+    def __init__(self) -> None:
+        self._isolation_level: Any = None
+        self._busy_timeout: Any = None
+
+    def acquire(self, connection: Connection, timeout: float) -> None:
+        """Open the transaction with the write lock, waiting at most ``timeout`` s."""
+        driver: Any = connection.connection.driver_connection
+        # The sqlite3 module would open its own deferred transaction, and only
+        # before DML: take manual control so BEGIN IMMEDIATE comes first.
+        self._isolation_level = driver.isolation_level
+        driver.isolation_level = None
+        self._busy_timeout = connection.exec_driver_sql("PRAGMA busy_timeout").scalar()
+        connection.exec_driver_sql(f"PRAGMA busy_timeout = {max(1, math.ceil(timeout * 1000))}")
+        try:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        except sa_exc.OperationalError as exc:
+            if "locked" in str(exc.orig):
+                raise MigrationLockTimeout(timeout) from exc
+            raise
+
+    def release(self, connection: Connection) -> None:
+        """Hand the connection back to the sqlite3 module's transaction handling."""
+        driver: Any = connection.connection.driver_connection
+        if self._busy_timeout is not None:
+            connection.exec_driver_sql(f"PRAGMA busy_timeout = {int(self._busy_timeout)}")
+        driver.isolation_level = self._isolation_level
+
+    @contextmanager
+    def held(self, connection: Connection, timeout: float) -> Iterator[Connection]:
+        """Hold the write lock and migrate inside it, on the same connection."""
+        try:
+            with connection.begin():
+                self.acquire(connection, timeout)
+                yield connection
+        finally:
+            self.release(connection)

@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import Celery
 
-from ..config import LeaseConfig, web_token
+from ..config import LeaseConfig, web_hosts, web_token
 from ..sanitize import safe_url
 from ..store import LeaseStore
 
@@ -26,6 +26,7 @@ def create_app(
     store: LeaseStore | None = None,
     protect_reads: bool = False,
     poll_seconds: float = POLL_SECONDS,
+    hosts: tuple[str, ...] | None = None,
 ) -> Any:
     """The web view of ``celery_app``'s lease database, as an ASGI application.
 
@@ -40,13 +41,17 @@ def create_app(
             token as password); needs a token. ``lease web`` turns it on for a
             non-loopback address.
         poll_seconds: how often an open page refreshes itself.
+        hosts: the ``Host`` header values answered (``*``: any); default:
+            ``lease_web_hosts``, else the loopback names. Any other Host is
+            refused (400), against DNS rebinding.
 
     Raises:
         ImportError: the ``web`` extra is not installed.
-        ImproperlyConfigured: a bad ``lease_web_token``, or ``protect_reads`` without one.
+        ImproperlyConfigured: a bad ``lease_web_token`` or ``lease_web_hosts``, or
+            ``protect_reads`` without a token.
     """
     try:
-        from . import app as web
+        from . import server as web
     except ImportError as exc:
         raise ImportError(
             "celery lease web needs Starlette, Jinja2 and uvicorn: "
@@ -55,6 +60,7 @@ def create_app(
     from celery.exceptions import ImproperlyConfigured
 
     token = web_token(celery_app.conf if token is None else {"lease_web_token": token})
+    allowed = web_hosts(celery_app.conf) if hosts is None else hosts
     if protect_reads and token is None:
         raise ImproperlyConfigured("protect_reads needs a write token (lease_web_token)")
     url = LeaseConfig.from_app(celery_app).database_url
@@ -69,5 +75,6 @@ def create_app(
         poll_ms=max(200, round(poll_seconds * 1000)),
         database=safe_url(url if own_store else str(store.engine.url)),
         templates=web.templates(),
+        hosts=allowed,
     )
     return web.build_app(view, own_store=own_store)

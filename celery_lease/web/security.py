@@ -83,3 +83,25 @@ def token_ok(expected: str | None, presented: str | None) -> bool:
     if expected is None or presented is None:
         return False
     return hmac.compare_digest(expected.encode(), presented.encode())
+
+
+def request_host(header: str) -> str:
+    """The host of a ``Host`` header, lowercase, without its port (IPv6 in brackets)."""
+    host = header.strip().lower()
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def host_allowed(header: str | None, allowed: tuple[str, ...]) -> bool:
+    """True when a request's ``Host`` header names one of ``allowed`` (``*``: any).
+
+    The check against DNS rebinding: a page of another site whose name its
+    attacker points at this address sends its own name as the Host, and is refused.
+    """
+    if "*" in allowed:
+        return True
+    if not header:
+        return False
+    host = request_host(header)
+    return host in allowed or (host.startswith("[") and host.strip("[]") in allowed)

@@ -8,9 +8,11 @@ consistent with its history. Marked ``chaos``; CI runs them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from tests.chaos.history import History, check, guarded_overlaps
 from tests.cluster import (
@@ -25,6 +28,7 @@ from tests.cluster import (
     AMQP_SETUP,
     MARIADB_ID,
     MARIADB_SETUP,
+    PG_AND_MARIADB,
     PGBOUNCER_ID,
     PGBOUNCER_SETUP,
     SETUP_IDS,
@@ -110,7 +114,19 @@ def test_kill9_random_workers_during_300_runs(
         cluster.start_beat(SWEEP)
     run_ids = [cluster.send("workerapp.effect", rng.uniform(0.2, 0.5)) for _ in range(300)]
     kills = kill_randomly(cluster, workers, rng)
-    wait_for(lambda: all_terminal(cluster, run_ids), 240, interval=1.0, what="all 300 runs")
+    try:
+        wait_for(lambda: all_terminal(cluster, run_ids), 240, interval=1.0, what="all 300 runs")
+    except AssertionError as exc:  # name the runs that never ended, for the next time
+        rows = [cluster.store.get(r) for r in run_ids]
+        stuck = [
+            (r.id, r.status, r.attempt, r.lease_owner, r.lease_expires_at, r.available_at)
+            for r in rows
+            if r is not None and r.status not in ("succeeded", "failed", "cancelled")
+        ]
+        missing = sum(r is None for r in rows)
+        raise AssertionError(
+            f"{exc}: {len(stuck)} not ended {stuck[:10]}, {missing} no row"
+        ) from None
     history = check(cluster, run_ids)
     assert kills >= 5
     busy = sum(log.count("held by another worker") for log in _logs(cluster))
@@ -119,7 +135,7 @@ def test_kill9_random_workers_during_300_runs(
     )
 
 
-@ON_PG
+@PG_AND_MARIADB
 @pytest.mark.timeout(240)
 def test_sigstop_stale_worker_commits_nothing(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
@@ -135,6 +151,27 @@ def test_sigstop_stale_worker_commits_nothing(
     cluster.start_beat(SWEEP)
     run_ids: list[str] = []
     paused: dict[str, int] = {}  # run -> the attempt the paused victim held
+    with _stacks_and_locks_on_timeout(cluster, [victim, rescuer]):
+        _sigstop_rounds(cluster, victim, rescuer, batch, wanted, run_ids, paused)
+    time.sleep(1.0)  # the last resumed bodies try (and fail) to commit
+    history = check(cluster, run_ids)
+    stale = [e for r, a in paused.items() for e in cluster.effects(r, "commit") if e.attempt <= a]
+    assert stale == []
+    assert len(paused) >= wanted
+    assert "automation_run_lease_lost" in victim.log()
+    report(capsys, f"sigstop x{len(paused)}", history)
+
+
+def _sigstop_rounds(
+    cluster: Cluster,
+    victim: Worker,
+    rescuer: Worker,
+    batch: int,
+    wanted: int,
+    run_ids: list[str],
+    paused: dict[str, int],
+) -> None:
+    """The SIGSTOP scenario's rounds, until ``wanted`` runs were paused and taken over."""
     for round_no in range(2 * wanted // batch):
         if len(paused) >= wanted:
             break
@@ -142,7 +179,7 @@ def test_sigstop_stale_worker_commits_nothing(
         # still catch a message or two: those runs start after the rescuer resumes).
         rescuer.pause()
         try:
-            batch_ids = [cluster.send("workerapp.effect", 2.0) for _ in range(batch)]
+            batch_ids = [cluster.send("workerapp.effect", BODY_SECONDS) for _ in range(batch)]
             run_ids += batch_ids
             wait_for(
                 lambda ids=batch_ids: len(_started(cluster, ids)) >= len(ids) - 3,
@@ -150,7 +187,11 @@ def test_sigstop_stale_worker_commits_nothing(
                 what=f"round {round_no}: the victim to start its batch",
             )
             victim.pause()
-            held = _started(cluster, batch_ids)  # all the victim's: the rescuer is paused
+            # All the victim's (the rescuer is paused), and only those surely mid-body: under
+            # load the pause can come after an early body's fenced commit (that run is done,
+            # nothing takes it over) or while it is inside it (the open fenced transaction
+            # holds the run until the victim resumes, as documented).
+            held = _mid_body(cluster, batch_ids, time.time() - BODY_SECONDS + FENCE_MARGIN)
         finally:
             rescuer.resume()
         try:
@@ -161,17 +202,26 @@ def test_sigstop_stale_worker_commits_nothing(
                 40,
                 what=f"round {round_no}: every held run taken over while the victim is paused",
             )
+        except AssertionError as exc:  # what the paused victim's transactions hold
+            raise AssertionError(f"{exc}\n{_open_transactions(cluster)}") from exc
         finally:
             victim.resume()
         paused.update(held)
         wait_for(lambda ids=batch_ids: all_terminal(cluster, ids), 40, what=f"round {round_no}")
-    time.sleep(1.0)  # the last resumed bodies try (and fail) to commit
-    history = check(cluster, run_ids)
-    stale = [e for r, a in paused.items() for e in cluster.effects(r, "commit") if e.attempt <= a]
-    assert stale == []
-    assert len(paused) >= wanted
-    assert "automation_run_lease_lost" in victim.log()
-    report(capsys, f"sigstop x{len(paused)}", history)
+
+
+#: The SIGSTOP scenario's body length, and how long before its end a body may be in its fence.
+BODY_SECONDS, FENCE_MARGIN = 2.0, 0.5
+
+
+def _mid_body(cluster: Cluster, run_ids: list[str], since: float) -> dict[str, int]:
+    """The runs whose latest attempt started after ``since`` (time.time()) and still runs."""
+    held = {}
+    for run_id in run_ids:
+        starts = cluster.effects(run_id, "start")
+        if starts and starts[-1].at >= since and cluster.status(run_id) == "running":
+            held[run_id] = starts[-1].attempt
+    return held
 
 
 def _started(cluster: Cluster, run_ids: list[str]) -> dict[str, int]:
@@ -400,3 +450,44 @@ def test_network_partition_while_holding_leases(
     finally:
         for proxy, _ in proxies:
             proxy.close()
+
+
+@contextlib.contextmanager
+def _stacks_and_locks_on_timeout(cluster: Cluster, workers: list[Worker]) -> Iterator[None]:
+    """On a timed-out wait: every worker's thread stacks into its log (the test app dumps
+    them on SIGUSR2) and the lease database's open transactions and lock waits into the
+    failure, so an intermittent stall names what each process was waiting for."""
+    try:
+        yield
+    except AssertionError as exc:
+        for worker in workers:
+            worker.resume()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGUSR2)
+        time.sleep(1.0)  # the dumps are written by each worker's own signal handler
+        logs = ", ".join(str(worker.log_path) for worker in workers)
+        raise AssertionError(f"{exc}\n{_open_transactions(cluster)}\nstacks: {logs}") from exc
+
+
+def _open_transactions(cluster: Cluster) -> str:
+    """The lease database's open transactions (MySQL/MariaDB: with their row locks and lock
+    waits; PostgreSQL: each session's state and any lock it waits for), one per line."""
+    if cluster.engine.dialect.name == "mysql":
+        queries = [
+            "SELECT trx_id, trx_state, trx_started, trx_mysql_thread_id, trx_rows_locked,"
+            " trx_rows_modified, LEFT(trx_query, 200) FROM information_schema.INNODB_TRX",
+            "SELECT * FROM information_schema.INNODB_LOCK_WAITS",
+        ]
+    else:
+        queries = [
+            "SELECT pid, state, xact_start, wait_event_type, wait_event, LEFT(query, 200)"
+            " FROM pg_stat_activity WHERE datname = current_database() AND xact_start IS NOT NULL"
+            " AND pid <> pg_backend_pid()",
+            "SELECT pid, locktype, mode, relation::regclass FROM pg_locks WHERE NOT granted",
+        ]
+    lines = []
+    with cluster.engine.connect() as conn:
+        for query in queries:
+            lines.append(f"-- {query}")
+            lines += [repr(tuple(row)) for row in conn.execute(text(query))]
+    return "\n".join(lines)

@@ -54,27 +54,95 @@
     });
     var actions = document.getElementById("actions");
     if (!actions || body.dataset.writable !== "yes") return;
+    actions.replaceChildren(buttons(data.actions, { id: data.id }));
+  }
+
+  function buttons(list, target) {
     var fresh = document.createDocumentFragment();
-    data.actions.forEach(function (name) {
+    list.forEach(function (action) {
       var a = document.createElement("a");
       a.className = "button";
-      a.href = base + "/confirm?" + new URLSearchParams({ action: name, id: data.id }).toString();
-      a.textContent = name.charAt(0).toUpperCase() + name.slice(1);
+      var params = new URLSearchParams({ action: action.name });
+      Object.keys(target).forEach(function (k) { params.set(k, target[k]); });
+      a.href = base + "/confirm?" + params.toString();
+      a.textContent = action.label;
       fresh.appendChild(a);
       fresh.appendChild(document.createTextNode(" "));
     });
-    actions.replaceChildren(fresh);
+    return fresh;
   }
 
-  function renderOverview(data) {
-    data.statuses.forEach(function (s) {
-      var td = document.querySelector('td[data-count="' + s.status + '"]');
-      if (td) td.textContent = String(s.count);
+  function taskLink(name) {
+    var link = document.createElement("a");
+    link.href = base + "/task?" + new URLSearchParams({ name: name }).toString();
+    link.textContent = name;
+    return link;
+  }
+
+  // Rows of text cells (the first a link to the task page when `linked`), or one
+  // empty row saying `none`.
+  function fillTable(id, rows, columns, none, linked) {
+    var tbody = document.getElementById(id);
+    if (!tbody) return;
+    var fresh = document.createDocumentFragment();
+    rows.forEach(function (r) {
+      var tr = document.createElement("tr");
+      columns.forEach(function (c, i) {
+        if (i === 0 && linked) cell(tr, "").appendChild(taskLink(r[c]));
+        else cell(tr, String(r[c]));
+      });
+      fresh.appendChild(tr);
     });
-    ["live_leases", "expired_leases", "taken_over"].forEach(function (name) {
+    if (!rows.length) {
+      var empty = document.createElement("tr");
+      empty.className = "empty";
+      cell(empty, none).colSpan = columns.length;
+      fresh.appendChild(empty);
+    }
+    tbody.replaceChildren(fresh);
+  }
+
+  function setFields(data, names) {
+    names.forEach(function (name) {
       var dd = document.querySelector('dd[data-field="' + name + '"]');
       if (dd) dd.textContent = String(data[name]);
     });
+  }
+
+  function setCounts(statuses) {
+    statuses.forEach(function (s) {
+      var td = document.querySelector('td[data-count="' + s.status + '"]');
+      if (td) td.textContent = String(s.count);
+    });
+  }
+
+  function setRecovery(recovery) {
+    recovery.forEach(function (c) {
+      var dd = document.querySelector('dd[data-field="' + c.name + '"]');
+      if (dd) dd.textContent = String(c.count);
+    });
+  }
+
+  function renderTask(data) {
+    setFields(data, ["state", "held", "expired_leases"]);
+    setCounts(data.statuses);
+    setRecovery(data.recovery);
+    fillTable("pauses", data.pauses, ["key", "reason", "since", "held"], "no pause", false);
+    fillTable("rates", data.rate_limited, ["key", "limit", "waiting", "next_slot"], "no rate limit", false);
+    var actions = document.getElementById("actions");
+    if (actions && body.dataset.writable === "yes") {
+      actions.replaceChildren(buttons(data.actions, { task: data.task }));
+    }
+  }
+
+  function renderOverview(data) {
+    setCounts(data.statuses);
+    setFields(data, ["live_leases", "expired_leases", "sweeper", "beats"]);
+    setRecovery(data.recovery);
+    fillTable("paused", data.paused, ["task", "key", "reason", "since", "held"],
+      "nothing is paused", true);
+    fillTable("rates", data.rate_limited, ["task", "key", "limit", "waiting", "next_slot"],
+      "no task has a lease_rate_limit", true);
     var oldest = document.querySelector('dd[data-field="oldest"]');
     if (oldest) {
       if (data.oldest) {
@@ -92,22 +160,28 @@
     var fresh = document.createDocumentFragment();
     data.tasks.forEach(function (t) {
       var tr = document.createElement("tr");
-      var link = document.createElement("a");
-      link.href = base + "/runs?" + new URLSearchParams({ task: t.task }).toString();
-      link.textContent = t.task;
-      cell(tr, "").appendChild(link);
-      t.live.concat(t.ended).forEach(function (n) { cell(tr, String(n)); });
+      cell(tr, "").appendChild(taskLink(t.task));
+      t.live.concat(t.ended, [t.taken_over, t.republished]).forEach(function (n) {
+        cell(tr, String(n));
+      });
+      var runs = document.createElement("a");
+      runs.href = base + "/runs?" + new URLSearchParams({ task: t.task }).toString();
+      runs.textContent = "runs";
+      cell(tr, "").appendChild(runs);
       fresh.appendChild(tr);
     });
     if (!data.tasks.length) {
       var empty = document.createElement("tr");
-      cell(empty, "no live runs and none ended in the last hour").colSpan = 7;
+      empty.className = "empty";
+      cell(empty, "no live runs and none ended in the last hour").colSpan = 10;
       fresh.appendChild(empty);
     }
     tbody.replaceChildren(fresh);
   }
 
-  var render = { runs: renderRuns, run: renderRun, overview: renderOverview }[body.dataset.page];
+  var render = {
+    runs: renderRuns, run: renderRun, overview: renderOverview, task: renderTask,
+  }[body.dataset.page];
   if (!poll || !render) return;
 
   function refresh() {

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .. import flow
+from ..actions import pause_task, resume_task
 from ..display import format_relative
 from .common import (
     _echo_json,
@@ -32,13 +32,15 @@ from .common import (
 def pause(
     ctx: click.Context, task_name: str, key: str | None, reason: str | None, cancel_running: bool
 ) -> None:
-    """Pause TASK_NAME on every worker: its deliveries are kept, not run, until resume."""
+    """Pause TASK_NAME on every worker: its deliveries are kept, not run, until resume.
+
+    With --cancel-running it says how many running runs it asked to stop.
+    """
     store = _open_store(ctx)
-    fresh = flow.pause(
-        ctx.obj.app, task_name, key, reason, cancel_running=cancel_running, store=store
+    result = pause_task(
+        ctx.obj.app, store, task_name, key=key, reason=reason, cancel_running=cancel_running
     )
-    what = task_name + ("" if key is None else f" (key {key})")
-    click.echo(f"paused {what}" if fresh else f"{what} was paused already")
+    click.echo(result.message)
 
 
 @lease.command()
@@ -48,10 +50,7 @@ def pause(
 @_operator_errors
 def resume(ctx: click.Context, task_name: str, key: str | None) -> None:
     """Resume TASK_NAME: publish the deliveries its pause kept, in the order they came."""
-    store = _open_store(ctx)
-    sent = flow.resume(ctx.obj.app, task_name, key, store=store)
-    what = task_name + ("" if key is None else f" (key {key})")
-    click.echo(f"resumed {what}: {sent} held deliveries published")
+    click.echo(resume_task(ctx.obj.app, _open_store(ctx), task_name, key=key).message)
 
 
 @lease.command()
@@ -62,7 +61,7 @@ def paused(ctx: click.Context, as_json: bool) -> None:
     """List what is paused: task, key, since when, why, and how many deliveries wait."""
     store = _open_store(ctx)
     now = store.now_ms()
-    found = store.list_pauses()
+    found = store.flow.list_pauses()
     if as_json:
         data: list[dict[str, Any]] = [
             {
