@@ -26,6 +26,21 @@ def _joins_allowed_after_in_process_workers() -> Iterator[None]:
     _set_task_join_will_block(False)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Long tests first: the ones marked ``slow`` (processes of their own, tens of seconds),
+    then those that start workers (the ``workers`` fixture), then the rest, each group in
+    collection order. pytest-xdist hands tests out in this order, so the run ends on short
+    tests instead of on one xdist worker still running a minute-long scenario while the
+    others idle (the last five minutes of CI's suite ran at 38% CPU in file order)."""
+
+    def weight(item: pytest.Item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if "workers" in getattr(item, "fixturenames", ()) else 2
+
+    items.sort(key=weight)
+
+
 _SERVER_ENV = re.compile(r"\bCELERY_LEASE_TEST_[A-Z_]+\b")
 
 

@@ -140,6 +140,7 @@ def test_settings_reference_table_lists_every_setting() -> None:
 # -- the testing and Django pages, run as written ---------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_testing_page_runs_under_pytest_on_the_quickstart_tasks(tmp_path: Path) -> None:
     """docs/testing.md's conftest and tests, pasted next to the quickstart's tasks.py,

@@ -15,6 +15,8 @@ import pytest
 from example_project.demo import workdir_note
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.slow  # each test runs a project with workers of its own
+
 #: The demo's own deadline; the test waits a little longer for its clean-up.
 DEMO_TIMEOUT = 120
 

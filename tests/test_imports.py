@@ -137,6 +137,7 @@ def test_type_checking_imports_count(tmp_path: Path) -> None:
     assert _imported("pkg.a", source, modules) == {"pkg.b", "pkg.c"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
     """``python -c "import celery_lease.X"`` works for every module X."""

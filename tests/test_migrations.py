@@ -521,6 +521,7 @@ def _running(engine: Any) -> int:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["postgresql", "mysql", "sqlite"])
 def test_rolling_deploy_migrate_loses_no_short_lease(

@@ -15,6 +15,8 @@ from sqlalchemy import create_engine, text
 from tests.docpages import Page, argv, reader_env, run, write_files
 from tests.helpers import Worker, wait_for
 
+pytestmark = pytest.mark.slow  # each test runs a project with workers of its own
+
 PAGE = Page("quickstart.md", after="## A leased task")
 
 

@@ -96,6 +96,7 @@ def test_body_error_is_recorded_sanitized(app: Celery, tmp_path: Path) -> None:
     assert "RuntimeError" in row.last_error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_transient_claim_errors_end_the_run_failed_when_spent(
     app: Celery, monkeypatch: pytest.MonkeyPatch

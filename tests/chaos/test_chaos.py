@@ -13,7 +13,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from tests.cluster import (
     SETUPS,
     Cluster,
 )
-from tests.helpers import Worker, require, wait_for
+from tests.helpers import Worker, wait_for
 from tests.proxy import Proxy
 
 pytestmark = pytest.mark.chaos
@@ -88,14 +87,6 @@ def report(capsys: pytest.CaptureFixture[str], name: str, history: History) -> N
 def all_terminal(cluster: Cluster, run_ids: list[str]) -> bool:
     statuses = [cluster.status(r) for r in run_ids]
     return all(s in ("succeeded", "failed", "cancelled") for s in statuses)
-
-
-@pytest.fixture
-def pg_control() -> Iterator[tuple[str, str]]:
-    """The data directory and bin directory of the PostgreSQL the tests use."""
-    data = require(os.environ.get("CELERY_LEASE_TEST_PG_DATA"), "CELERY_LEASE_TEST_PG_DATA")
-    bin_dir = os.environ.get("CELERY_LEASE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin")
-    yield str(data), bin_dir
 
 
 @ON_EVERY_SERVER
@@ -232,40 +223,6 @@ def _started(cluster: Cluster, run_ids: list[str]) -> dict[str, int]:
         if attempts:
             latest[run_id] = max(attempts)
     return latest
-
-
-@ON_PG
-@pytest.mark.timeout(300)
-def test_postgres_restart_mid_batch(
-    cluster: Cluster, capsys: pytest.CaptureFixture[str], pg_control: tuple[str, str]
-) -> None:
-    """pg_ctl restart -m fast in the middle of a batch: no lost runs, no double
-    commits, and the same workers recover without restarts."""
-    data, bin_dir = pg_control
-    workers = [cluster.start(f"w{i}", conf=CONF, **TIMING) for i in range(2)]
-    cluster.start_beat(SWEEP)
-    run_ids = [cluster.send("workerapp.effect", 0.3) for _ in range(80)]
-    wait_for(
-        lambda: sum(1 for r in run_ids if cluster.status(r) == "succeeded") >= 10,
-        60,
-        what="the batch to get going",
-    )
-    # The restarted postmaster must not inherit our pipes: log to a file instead.
-    restart = f"'{bin_dir}/pg_ctl' -D '{data}' -l '{data}/restart.log' -w -m fast restart"
-    subprocess.run(
-        ["su", "postgres", "-s", "/bin/sh", "-c", restart],
-        check=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    cluster.store.dispose()
-    cluster.engine.dispose()
-    wait_for(lambda: all_terminal(cluster, run_ids), 180, interval=1.0, what="the batch")
-    assert all(w.proc.poll() is None for w in workers), "a worker died"
-    history = check(cluster, run_ids)
-    report(capsys, "pg-restart", history)
 
 
 @ON_PG_AND_PGBOUNCER
