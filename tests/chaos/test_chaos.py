@@ -89,6 +89,24 @@ def all_terminal(cluster: Cluster, run_ids: list[str]) -> bool:
     return all(s in ("succeeded", "failed", "cancelled") for s in statuses)
 
 
+def wait_all_terminal(cluster: Cluster, run_ids: list[str], timeout: float, what: str) -> None:
+    """Wait until every run ended; on timeout, name the runs that did not (status, attempt,
+    owner, lease expiry, availability) and count those with no row at all."""
+    try:
+        wait_for(lambda: all_terminal(cluster, run_ids), timeout, interval=1.0, what=what)
+    except AssertionError as exc:
+        rows = [cluster.store.get(r) for r in run_ids]
+        stuck = [
+            (r.id, r.status, r.attempt, r.lease_owner, r.lease_expires_at, r.available_at)
+            for r in rows
+            if r is not None and r.status not in ("succeeded", "failed", "cancelled")
+        ]
+        missing = [run_id for run_id, r in zip(run_ids, rows, strict=True) if r is None]
+        raise AssertionError(
+            f"{exc}: {len(stuck)} not ended {stuck[:10]}, {len(missing)} no row {missing[:10]}"
+        ) from None
+
+
 @ON_EVERY_SERVER
 @pytest.mark.timeout(400)
 def test_kill9_random_workers_during_300_runs(
@@ -105,19 +123,7 @@ def test_kill9_random_workers_during_300_runs(
         cluster.start_beat(SWEEP)
     run_ids = [cluster.send("workerapp.effect", rng.uniform(0.2, 0.5)) for _ in range(300)]
     kills = kill_randomly(cluster, workers, rng)
-    try:
-        wait_for(lambda: all_terminal(cluster, run_ids), 240, interval=1.0, what="all 300 runs")
-    except AssertionError as exc:  # name the runs that never ended, for the next time
-        rows = [cluster.store.get(r) for r in run_ids]
-        stuck = [
-            (r.id, r.status, r.attempt, r.lease_owner, r.lease_expires_at, r.available_at)
-            for r in rows
-            if r is not None and r.status not in ("succeeded", "failed", "cancelled")
-        ]
-        missing = sum(r is None for r in rows)
-        raise AssertionError(
-            f"{exc}: {len(stuck)} not ended {stuck[:10]}, {missing} no row"
-        ) from None
+    wait_all_terminal(cluster, run_ids, 240, "all 300 runs")
     history = check(cluster, run_ids)
     assert kills >= 5
     busy = sum(log.count("held by another worker") for log in _logs(cluster))
@@ -325,7 +331,7 @@ def test_kill9_during_100_chains_of_3_leased_steps(
     ]
     kills = kill_randomly(cluster, workers, rng)
     step_ids = [r.id for res in results for r in (res, res.parent, res.parent.parent)]
-    wait_for(lambda: all_terminal(cluster, step_ids), 300, interval=1.0, what="all 300 steps")
+    wait_all_terminal(cluster, step_ids, 300, "all 300 steps")
     unresolved = []
     for i, res in enumerate(results):
         try:
