@@ -62,6 +62,7 @@ def _gaps(slots: list[int], step: int) -> list[tuple[int, int]]:
 
 
 @ON_PG
+@pytest.mark.slow  # about 160 s, the longest chaos scenario: first
 @pytest.mark.timeout(600)
 def test_random_kills_and_stops_of_beats_and_workers(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
