@@ -89,15 +89,17 @@ def split(worker_pid: int, servers: set[int]) -> dict[str, float]:
 
 
 def _postmaster(url: str) -> int:
-    """The process id of the PostgreSQL postmaster serving ``url`` (its backend's parent)."""
+    """The process id of the PostgreSQL postmaster serving ``url`` (its backend's parent).
+
+    Read while the connection is open: once it closes, its backend exits."""
     store = LeaseStore.from_url(url)
     try:
         with store.engine.connect() as conn:
             backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            with open(f"/proc/{backend}/stat") as handle:
+                return int(handle.read().rpartition(")")[2].split()[1])
     finally:
         store.dispose()
-    with open(f"/proc/{backend}/stat") as handle:
-        return int(handle.read().rpartition(")")[2].split()[1])
 
 
 def _switches(pid: int) -> float:
