@@ -501,14 +501,24 @@ def test_progress_costs_no_statement_of_its_own(app: Celery) -> None:
                 task_thread = {tid for tid, sql in seen if "FOR UPDATE" in sql}
             on_task = [sql for tid, sql in seen if tid in task_thread]
             ticks = [sql for tid, sql in seen if tid not in task_thread]
-            assert len(on_task) == per_task, on_task
+            assert len(on_task) == per_task, _statements(seen)
             renewals = [sql for sql in ticks if sql.lstrip().upper().startswith("UPDATE")]
-            assert renewals and len(ticks) == per_tick * len(renewals), ticks
+            assert renewals and len(ticks) == per_tick * len(renewals), _statements(seen)
             counts[n] = (len(on_task), len(ticks) / len(renewals))
         row = store.get(result.id)
     assert counts[1] == counts[300]
     assert row is not None and row.progress_total == 300 and row.progress_note == "rows"
     assert row.progress_done is not None and row.progress_done >= 200
+
+
+def _statements(seen: list[tuple[int, str]]) -> str:
+    """Every recorded statement, one per line: its thread (numbered in order of first
+    appearance) and its first 100 characters."""
+    threads: dict[int, int] = {}
+    return "\n".join(
+        f"thread {threads.setdefault(tid, len(threads))}: {' '.join(sql.split())[:100]}"
+        for tid, sql in seen
+    )
 
 
 @pytest.mark.timeout(60)
