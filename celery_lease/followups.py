@@ -8,7 +8,9 @@ so they exist only if its writes commit. When it commits, this process's
 :class:`FollowupPump` publishes them, each under a task id derived from the run
 (:func:`~celery_lease.lease.keys.followup_task_id`), and deletes each row once
 sent. What a crash leaves behind (a worker killed between the commit and the
-publish) is published by the sweeper (:func:`sweep`), under the same task id.
+publish) is published by the sweeper (:func:`sweep`), under the same task id. A
+``LeasedTask`` follow-up gets its ``queued`` run row right after its publish, so a
+message the broker loses before any worker claimed it is sent again by the sweeper too.
 
 Each row is taken by a guarded ``UPDATE`` before it is published, so two
 publishers never both send it. Only a crash after the broker took the message and
@@ -26,6 +28,7 @@ import collections
 import logging
 import threading
 import time
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,7 +40,8 @@ from .errors import LeaseError, LeaseInputError
 from .events import Event, EventLog
 from .lease.keys import followup_task_id
 from .requeue import COPY, MessageNotAccepted, SweepReport, copy_headers, decode_message
-from .runtime import app_config, app_runtime
+from .run.runids import concurrency_key, run_id_of
+from .runtime import app_config, app_runtime, runtime_for
 from .sanitize import describe_exception
 from .schema import MAX_FOLLOWUP_BYTES, MAX_FOLLOWUPS, MAX_ID_LENGTH
 from .store import FollowupMessage, LeaseStore, OutboxRecord
@@ -247,6 +251,7 @@ def send(
             )
             continue
         sent.append(row.task_id)
+        recorded = _record_leased_run(app, row, events)
         events.emit(
             Event.FOLLOWUP_SENT,
             row.run_id,
@@ -260,8 +265,60 @@ def send(
             task=row.task_name,
             swept=swept,
         )
-        _drop(store, row)
+        if recorded:
+            _drop(store, row)
     return sent
+
+
+def _record_leased_run(app: Celery, row: OutboxRecord, events: EventLog) -> bool:
+    """After the publish of ``row``: give a ``LeasedTask`` follow-up its ``queued`` run row
+    (attempt 0, carrying the message), unless its run has a row already; True when the
+    outbox row may be deleted.
+
+    A broker can lose a message it handed out before any worker claimed it (kombu's Redis
+    transport between its ``BRPOP`` and its save to ``unacked``; the filesystem transport
+    once a killed worker had read it). With the row, the sweeper sends it again
+    (:meth:`~celery_lease.store.LeaseStore.reclaim_stale`), as any run never claimed. A
+    follow-up with a ``countdown`` or ``eta`` is left out (the sweeper's copy would run it
+    early), and so is a plain Celery task: nothing records those once sent. When the row
+    cannot be written, the outbox row stays taken and the sweeper publishes it again.
+    """
+    task = app.tasks.get(row.task_name)
+    lease_config = getattr(task, "lease_config", None)
+    if lease_config is None:
+        return True
+    try:
+        body = decode_message(app, row.payload, row.payload_content_type)
+        options = dict(body.get("options") or {})
+        if options.get("countdown") or options.get("eta"):
+            return True
+        args, kwargs = tuple(body.get("args") or ()), dict(body.get("kwargs") or {})
+        config = lease_config()
+        request = types.SimpleNamespace(id=row.task_id, headers=None, replaced_task_nesting=0)
+        runtime_for(app, config).store.keep_delivery(
+            run_id_of(row.task_name, config, request, args, kwargs),
+            task_name=row.task_name,
+            task_id=row.task_id,
+            payload=row.payload,
+            payload_content_type=row.payload_content_type,
+            lease_ms=config.lease_ms,
+            max_attempts=config.max_attempts,
+            concurrency_key=concurrency_key(row.task_name, config, args, kwargs),
+        )
+    except Exception as exc:
+        events.emit(
+            Event.FOLLOWUP_ERROR,
+            row.run_id,
+            "run %s: follow-up %s sent, but its run could not be recorded (the sweeper "
+            "sends it again): %s",
+            row.run_id,
+            row.task_id,
+            describe_exception(exc),
+            level=logging.WARNING,
+            task_id=row.task_id,
+        )
+        return False
+    return True
 
 
 def _drop(store: LeaseStore, row: OutboxRecord) -> None:

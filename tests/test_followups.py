@@ -169,6 +169,44 @@ def test_followup_published_once_across_a_kill9_after_the_commit(cluster: Cluste
 
 @TWO_SETUPS
 @pytest.mark.timeout(120)
+def test_leased_followup_lost_by_the_broker_before_its_claim_is_sent_again(
+    cluster: Cluster, tmp_path: Any
+) -> None:
+    """The worker that takes the receipt off the broker is killed before the broker records
+    it as unacknowledged (kombu Redis between BRPOP and its save to ``unacked``; the
+    filesystem transport once the file was read), after its publisher deleted the outbox
+    row: the receipt's ``queued`` run row, written at the publish, lets the sweeper send it
+    again; it runs once, under its derived task id."""
+    victim = cluster.start(
+        "w1",
+        **TIMING,
+        CL_DIE_AT_POP="workerapp.receipt",
+        CL_DIE_AT_POP_ONCE=str(tmp_path / "died"),
+    )
+    order_id = order()
+    run_id = f"workerapp.pay:{order_id}"
+    cluster.send("pay", order_id, "receipt")
+    wait_for(lambda: victim.proc.poll() is not None, 30, what="w1 to die taking the receipt")
+    assert (tmp_path / "died").exists()
+    assert cluster.status(run_id) == "succeeded"
+    assert cluster.store.outbox.count() == 0
+    followup = f"{run_id}:followup:1.0"
+    record = cluster.store.get(followup)
+    assert record is not None and (record.status, record.attempt) == ("queued", 0)
+    cluster.start("w2", **TIMING, conf=SWEEP)
+    wait_for(
+        lambda: cluster.effects_of_kind(f"receipt:{order_id}"),
+        60,
+        what="the sweeper to send the lost receipt again",
+    )
+    wait_for(lambda: cluster.status(followup) == "succeeded", 10, what="the receipt's run")
+    time.sleep(2.0)  # more sweeps: nothing is sent again
+    assert [r.run_id for r in cluster.effects_of_kind(f"receipt:{order_id}")] == [followup]
+    assert len(charges(cluster, order_id)) == 1
+
+
+@TWO_SETUPS
+@pytest.mark.timeout(120)
 def test_no_followup_when_the_transaction_rolls_back_or_the_lease_is_lost(
     cluster: Cluster,
 ) -> None:

@@ -110,6 +110,48 @@ if os.environ.get("CL_UNCHECKED_PROGRESS"):
 
     _progress.ProgressReport.report = _unchecked_report  # type: ignore[method-assign]
 
+if os.environ.get("CL_DIE_AT_POP"):
+    # Test-only: the first time this worker takes a message of the task CL_DIE_AT_POP off
+    # the broker (the first worker of all to do so: the file CL_DIE_AT_POP_ONCE is the
+    # token), it is killed before the broker records the message as unacknowledged, as a
+    # kill -9 between kombu Redis's BRPOP and its save to ``unacked`` (or after the
+    # filesystem transport read the file) loses it. It waits, up to 10 s, until the
+    # message's publisher deleted its outbox row, then SIGKILLs itself.
+    from kombu.transport import redis as _kombu_redis
+    from kombu.transport.virtual import base as _kombu_virtual
+
+    def _dying(original: Any) -> Any:
+        def append(self: Any, message: Any, delivery_tag: Any) -> Any:
+            headers = getattr(message, "headers", None) or {}
+            if headers.get("task") == os.environ["CL_DIE_AT_POP"]:
+                try:
+                    fd = os.open(os.environ["CL_DIE_AT_POP_ONCE"], os.O_CREAT | os.O_EXCL)
+                except FileExistsError:
+                    return original(self, message, delivery_tag)
+                os.close(fd)
+                _wait_outbox_gone(str(headers.get("id")))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, message, delivery_tag)
+
+        return append
+
+    def _wait_outbox_gone(task_id: str) -> None:
+        from sqlalchemy import select as _select
+
+        from celery_lease.runtime import store_for as _store_for
+        from celery_lease.schema import outbox as _outbox
+
+        query = _select(_outbox.c.task_id).where(_outbox.c.task_id == task_id)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            with _store_for(app).engine.connect() as conn:
+                if conn.execute(query).first() is None:
+                    return
+            time.sleep(0.05)
+
+    _kombu_redis.QoS.append = _dying(_kombu_redis.QoS.append)  # type: ignore[method-assign]
+    _kombu_virtual.QoS.append = _dying(_kombu_virtual.QoS.append)  # type: ignore[method-assign]
+
 # Every thread's stack into the worker's log on SIGUSR2 (Celery takes SIGUSR1), written by
 # the C handler even when no Python thread can run: a test that times out asks for them.
 faulthandler.register(signal.SIGUSR2, all_threads=True)
