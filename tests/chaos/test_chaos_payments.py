@@ -9,7 +9,9 @@ commit (the window in which only the sweeper can send it). A driver kill -9s a r
 1-2.5 s and starts a fresh one. Asserted per order: the provider charged it exactly
 once, under the run's key; one payment committed, by the run's last attempt; its
 receipt ran exactly once, under the task id derived from that attempt; the outbox
-is empty at the end.
+is empty at the end. A receipt the broker lost with a killed worker is sent again by the
+sweeper (its run row is written at the publish); a payment it lost before any claim has
+no row, and the harness sends it again, as a shop resubmits its stalled orders.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from celery_lease.schema import runs
+from tests.chaos.test_chaos import wait_all_terminal
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import Worker, wait_for
 from tests.workerapp import effects, provider_charges
@@ -62,6 +66,32 @@ def kill_while_running(
     return kills
 
 
+def resend_unstarted(cluster: Cluster, orders: list[str], timeout: float) -> int:
+    """Wait up to ``timeout`` s for every payment to end, sending again, as the shop does
+    (``example_project``'s ``resubmit_stalled_captures``), an order whose run still has no
+    row 10 s after it was first seen without one: the broker lost its message before any
+    worker claimed it (kombu Redis loses one a worker is killed with between its BRPOP
+    and its save to ``unacked``), and nothing but its sender knows of it. Safe: the run id
+    is the order. Returns how many were sent again."""
+    run_ids = {f"workerapp.pay:{o}": o for o in orders}
+    missing_since: dict[str, float] = {}
+    resent = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all_done(cluster, list(run_ids)):
+        with cluster.engine.connect() as conn:
+            found = set(conn.execute(select(runs.c.id).where(runs.c.id.in_(run_ids))).scalars())
+        now = time.monotonic()
+        for run_id, order_id in run_ids.items():
+            if run_id in found:
+                missing_since.pop(run_id, None)
+            elif now - missing_since.setdefault(run_id, now) > 10.0:
+                cluster.send("pay", order_id, "receipt+slow")
+                missing_since[run_id] = now
+                resent += 1
+        time.sleep(1.0)
+    return resent
+
+
 def problems_of(cluster: Cluster, order_id: str, rows: list[Any], charged: list[Any]) -> list[str]:
     """What is wrong with one order (empty: nothing)."""
     run_id = f"workerapp.pay:{order_id}"
@@ -99,7 +129,8 @@ def test_kill9_random_moments_during_200_payments_with_followups(
         cluster.send("pay", order_id, "receipt+slow")
     run_ids = [f"workerapp.pay:{order_id}" for order_id in orders]
     kills = kill_while_running(cluster, workers, rng, run_ids)
-    wait_for(lambda: all_done(cluster, run_ids), 150, interval=1.0, what="all 200 payments")
+    resent = resend_unstarted(cluster, orders, 150)
+    wait_all_terminal(cluster, run_ids, 1, "all 200 payments")
     wait_for(lambda: cluster.store.outbox.count() == 0, 60, interval=0.5, what="the outbox")
     # A receipt a killed worker had fetched comes back after the visibility timeout.
     wait_for(lambda: _receipts(cluster) >= ORDERS, 60, interval=0.5, what="every receipt")
@@ -121,7 +152,7 @@ def test_kill9_random_moments_during_200_payments_with_followups(
         print(
             f"\nchaos[payments kill9 x{kills}]: orders={ORDERS} retried={retried} "
             f"charge_kept_across_attempts={kept} followups_swept={swept} "
-            f"double_charges={doubles} problems={len(problems)}"
+            f"double_charges={doubles} resent={resent} problems={len(problems)}"
         )
     assert kills >= 3 and retried >= 5
     assert problems == []
