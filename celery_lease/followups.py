@@ -185,8 +185,9 @@ def _check_arguments(task: Any, what: str, args: tuple[Any, ...], kwargs: dict[s
 # -- publishing -------------------------------------------------------------------
 
 
-def publish(app: Celery, row: OutboxRecord) -> None:
-    """Publish one follow-up: its signature, under its derived task id.
+def publish(app: Celery, row: OutboxRecord) -> dict[str, Any]:
+    """Publish one follow-up: its signature, under its derived task id; the stored message,
+    decoded.
 
     Raises:
         MessageNotAccepted: the stored message is in a format the app does not accept;
@@ -204,6 +205,7 @@ def publish(app: Celery, row: OutboxRecord) -> None:
         task.apply_async(args, kwargs, **options)
     else:
         app.send_task(row.task_name, args=args, kwargs=kwargs, **options)
+    return body
 
 
 def send(
@@ -224,7 +226,7 @@ def send(
     sent: list[str] = []
     for row in rows:
         try:
-            publish(app, row)
+            body = publish(app, row)
         except MessageNotAccepted as exc:
             events.emit(
                 Event.FOLLOWUP_DROPPED,
@@ -251,7 +253,7 @@ def send(
             )
             continue
         sent.append(row.task_id)
-        recorded = _record_leased_run(app, row, events)
+        recorded = _record_leased_run(app, row, body, events)
         events.emit(
             Event.FOLLOWUP_SENT,
             row.run_id,
@@ -270,10 +272,12 @@ def send(
     return sent
 
 
-def _record_leased_run(app: Celery, row: OutboxRecord, events: EventLog) -> bool:
-    """After the publish of ``row``: give a ``LeasedTask`` follow-up its ``queued`` run row
-    (attempt 0, carrying the message), unless its run has a row already; True when the
-    outbox row may be deleted.
+def _record_leased_run(
+    app: Celery, row: OutboxRecord, body: dict[str, Any], events: EventLog
+) -> bool:
+    """After the publish of ``row`` (``body``: its message, decoded): give a ``LeasedTask``
+    follow-up its ``queued`` run row (attempt 0, carrying the message), unless its run has a
+    row already; True when the outbox row may be deleted.
 
     A broker can lose a message it handed out before any worker claimed it (kombu's Redis
     transport between its ``BRPOP`` and its save to ``unacked``; the filesystem transport
@@ -287,11 +291,10 @@ def _record_leased_run(app: Celery, row: OutboxRecord, events: EventLog) -> bool
     lease_config = getattr(task, "lease_config", None)
     if lease_config is None:
         return True
+    options = dict(body.get("options") or {})
+    if options.get("countdown") or options.get("eta"):
+        return True
     try:
-        body = decode_message(app, row.payload, row.payload_content_type)
-        options = dict(body.get("options") or {})
-        if options.get("countdown") or options.get("eta"):
-            return True
         args, kwargs = tuple(body.get("args") or ()), dict(body.get("kwargs") or {})
         config = lease_config()
         request = types.SimpleNamespace(id=row.task_id, headers=None, replaced_task_nesting=0)

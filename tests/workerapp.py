@@ -925,10 +925,10 @@ if os.environ.get("CL_KILL_AT") == "before_publish" or os.environ.get("CL_PUBLIS
     _real_publish = _followups.publish
     _publish_delay = float(os.environ.get("CL_PUBLISH_DELAY") or 0)
 
-    def _publish_or_die(app: Any, row: Any) -> None:
+    def _publish_or_die(app: Any, row: Any) -> Any:
         _kill_once("before_publish", row.run_id)
         time.sleep(_publish_delay)
-        _real_publish(app, row)
+        return _real_publish(app, row)
 
     _followups.publish = _publish_or_die
 
