@@ -16,6 +16,7 @@ no row, and the harness sends it again, as a shop resubmits its stalled orders.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -25,8 +26,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from celery_lease.schema import runs
-from tests.chaos.test_chaos import wait_all_terminal
+from tests.chaos.test_chaos import wait_all_terminal_resending
 from tests.cluster import SETUP_IDS, SETUPS, Cluster
 from tests.helpers import Worker, wait_for
 from tests.workerapp import effects, provider_charges
@@ -66,32 +66,6 @@ def kill_while_running(
     return kills
 
 
-def resend_unstarted(cluster: Cluster, orders: list[str], timeout: float) -> int:
-    """Wait up to ``timeout`` s for every payment to end, sending again, as the shop does
-    (``example_project``'s ``resubmit_stalled_captures``), an order whose run still has no
-    row 10 s after it was first seen without one: the broker lost its message before any
-    worker claimed it (kombu Redis loses one a worker is killed with between its BRPOP
-    and its save to ``unacked``), and nothing but its sender knows of it. Safe: the run id
-    is the order. Returns how many were sent again."""
-    run_ids = {f"workerapp.pay:{o}": o for o in orders}
-    missing_since: dict[str, float] = {}
-    resent = 0
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all_done(cluster, list(run_ids)):
-        with cluster.engine.connect() as conn:
-            found = set(conn.execute(select(runs.c.id).where(runs.c.id.in_(run_ids))).scalars())
-        now = time.monotonic()
-        for run_id, order_id in run_ids.items():
-            if run_id in found:
-                missing_since.pop(run_id, None)
-            elif now - missing_since.setdefault(run_id, now) > 10.0:
-                cluster.send("pay", order_id, "receipt+slow")
-                missing_since[run_id] = now
-                resent += 1
-        time.sleep(1.0)
-    return resent
-
-
 def problems_of(cluster: Cluster, order_id: str, rows: list[Any], charged: list[Any]) -> list[str]:
     """What is wrong with one order (empty: nothing)."""
     run_id = f"workerapp.pay:{order_id}"
@@ -129,8 +103,11 @@ def test_kill9_random_moments_during_200_payments_with_followups(
         cluster.send("pay", order_id, "receipt+slow")
     run_ids = [f"workerapp.pay:{order_id}" for order_id in orders]
     kills = kill_while_running(cluster, workers, rng, run_ids)
-    resent = resend_unstarted(cluster, orders, 150)
-    wait_all_terminal(cluster, run_ids, 1, "all 200 payments")
+    resend = {
+        run_id: functools.partial(cluster.send, "pay", order_id, "receipt+slow")
+        for run_id, order_id in zip(run_ids, orders, strict=True)
+    }
+    resent = wait_all_terminal_resending(cluster, resend, 150, "all 200 payments")
     wait_for(lambda: cluster.store.outbox.count() == 0, 60, interval=0.5, what="the outbox")
     # A receipt a killed worker had fetched comes back after the visibility timeout.
     wait_for(lambda: _receipts(cluster) >= ORDERS, 60, interval=0.5, what="every receipt")
