@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
 from queue import Empty
 from typing import Any
@@ -11,6 +13,7 @@ import pytest
 from kombu import Connection
 from kombu.exceptions import ChannelError
 
+from celery_lease.contrib import fs_transport
 from celery_lease.contrib.fs_transport import Transport
 
 
@@ -75,3 +78,90 @@ def test_publish_failure_is_a_channel_error_and_leaves_no_partial_file(
         with pytest.raises(ChannelError):
             channel._put("orders", {"body": "m2"})
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def _options(folder: Path) -> dict[str, str]:
+    (folder / "control").mkdir(exist_ok=True)
+    return {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(folder / "control"),
+    }
+
+
+def _drain(channel: Any, queue: str) -> list[Any]:
+    got = []
+    while True:
+        try:
+            got.append(channel._get(queue))
+        except Empty:
+            return got
+
+
+@pytest.mark.timeout(60)
+def test_a_backlog_is_listed_once_per_batch_not_once_per_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu lists and sorts the whole folder for every message it takes (O(backlog) per
+    message in the worker's main process); here one listing serves a batch, in order."""
+    monkeypatch.setattr(fs_transport, "LISTING_BATCH", 100)
+    options = _options(tmp_path)
+    with Connection("filesystem://", transport=Transport, transport_options=options) as conn:
+        producer: Any = conn.channel()
+        for i in range(450):
+            producer._put("orders", {"body": i})
+    listings = 0
+    real_listdir = os.listdir
+
+    def counting(path: Any) -> list[str]:
+        nonlocal listings
+        listings += 1
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", counting)
+    with Connection("filesystem://", transport=Transport, transport_options=options) as conn:
+        got = _drain(conn.channel(), "orders")
+    assert [m["body"] for m in got] == list(range(450))
+    assert listings <= 6, listings  # 5 batches, and the one that finds the folder empty
+
+
+@pytest.mark.timeout(60)
+def test_two_consumers_take_each_message_once_and_see_new_ones_at_once(tmp_path: Path) -> None:
+    """Two consumers sharing the folder (two workers) each skip what the other took since
+    their listing: every message is taken once. A consumer that took all it had listed
+    finds a message published since at once (a chain's next step); a queue it found empty
+    is listed again within LISTING_MAX_AGE."""
+    options = _options(tmp_path)
+    with (
+        Connection("filesystem://", transport=Transport, transport_options=options) as pub,
+        Connection("filesystem://", transport=Transport, transport_options=options) as one,
+        Connection("filesystem://", transport=Transport, transport_options=options) as two,
+    ):
+        producer: Any = pub.channel()
+        a: Any = one.channel()
+        b: Any = two.channel()
+        for i in range(40):
+            producer._put("orders", {"body": i})
+        taken: list[int] = []
+        for turn in range(100):
+            with contextlib.suppress(Empty):
+                taken.append((a if turn % 2 else b)._get("orders")["body"])
+        assert sorted(taken) == list(range(40))
+        for i in range(3):
+            producer._put("steps", {"body": i})
+        time.sleep(fs_transport.LISTING_MAX_AGE)  # a's listing found no step
+        assert [a._get("steps")["body"] for _ in range(3)] == [0, 1, 2]
+        producer._put("steps", {"body": "next"})
+        assert a._get("steps") == {"body": "next"}  # its listed messages were all taken
+        with pytest.raises(Empty):
+            a._get("idle")
+        producer._put("idle", {"body": "late"})
+        started = time.monotonic()
+        got = None
+        while got is None and time.monotonic() - started < 5:
+            try:
+                got = a._get("idle")
+            except Empty:
+                time.sleep(0.01)
+        assert got == {"body": "late"}
+        assert time.monotonic() - started < fs_transport.LISTING_MAX_AGE + 0.5
