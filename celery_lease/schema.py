@@ -76,6 +76,22 @@ ProgressType = Float().with_variant(mysql.DOUBLE(), "mysql", "mariadb")
 
 metadata = MetaData()
 
+#: The rows the concurrency index holds (where partial indexes exist): runs with a key.
+CONCURRENCY_INDEX_WHERE = "concurrency_key IS NOT NULL"
+#: The rows the ``(status, finished_at)`` index holds: runs that ended (every query on it
+#: bounds ``finished_at``).
+FINISHED_INDEX_WHERE = "finished_at IS NOT NULL"
+
+
+def partial(where: str | None) -> dict[str, Any]:
+    """``Index`` / ``create_index`` keyword arguments for an index over the rows ``where``
+    (SQL) holds for, on the databases that have partial indexes (PostgreSQL, SQLite;
+    MySQL and MariaDB index every row)."""
+    if where is None:
+        return {}
+    return {"postgresql_where": text(where), "sqlite_where": text(where)}
+
+
 runs = Table(
     TABLE_NAME,
     metadata,
@@ -132,10 +148,23 @@ runs = Table(
     Column("created_at", BigInteger, nullable=False),
     Column("updated_at", BigInteger, nullable=False),
     Index("ix_celery_lease_runs_status_expires", "status", "lease_expires_at"),
-    Index("ix_celery_lease_runs_concurrency", "concurrency_key", "status"),
+    # Partial where the database has them (PostgreSQL, SQLite): a run without a key
+    # (the common case) never enters it, and a running one has no finish time, so
+    # neither costs a claim or a completion an index entry it never reads.
+    Index(
+        "ix_celery_lease_runs_concurrency",
+        "concurrency_key",
+        "status",
+        **partial(CONCURRENCY_INDEX_WHERE),
+    ),
     # Retention: the sweeper and `lease purge` delete one status's oldest
     # finished rows in index order, never scanning the table.
-    Index("ix_celery_lease_runs_status_finished", "status", "finished_at"),
+    Index(
+        "ix_celery_lease_runs_status_finished",
+        "status",
+        "finished_at",
+        **partial(FINISHED_INDEX_WHERE),
+    ),
     # The web view's pages: newest first per status, and per task and status, read in
     # index order with keyset bounds (never OFFSET, never a sort of the table).
     Index("ix_celery_lease_runs_status_created", "status", "created_at", "id"),

@@ -469,6 +469,52 @@ def test_alembic_by_url_downgrades_and_upgrades_0004_online(db_url: str) -> None
     assert _differences(db_url) == []
 
 
+PARTIAL = {
+    "ix_celery_lease_runs_concurrency": "concurrency_key IS NOT NULL",
+    "ix_celery_lease_runs_status_finished": "finished_at IS NOT NULL",
+}
+
+
+def _index_wheres(url: str) -> dict[str, str | None]:
+    """Each of the two indexes 0013 changes, and the rows it holds (None: every row)."""
+    engine = create_engine(url)
+    try:
+        indexes = inspect(engine).get_indexes(TABLE_NAME)
+    finally:
+        engine.dispose()
+    out: dict[str, str | None] = {}
+    for index in indexes:
+        if index["name"] in PARTIAL:
+            options = index.get("dialect_options", {})
+            where = options.get("postgresql_where") or options.get("sqlite_where")
+            out[str(index["name"])] = None if where is None else " ".join(str(where).split())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_keyless_and_unfinished_runs_stay_out_of_two_indexes_after_0013(db_url: str) -> None:
+    """0013 makes the concurrency and the (status, finished_at) indexes partial where the
+    database has partial indexes (a claim and a completion of a run without a key then
+    touch neither); MySQL keeps both whole. A downgrade makes them whole again."""
+    partial = not db_url.startswith("mysql")
+    whole: dict[str, str | None] = dict.fromkeys(PARTIAL)
+    upgrade(db_url, "0012")
+    assert _index_wheres(db_url) == whole
+    upgrade(db_url)
+    wheres = _index_wheres(db_url)
+    assert set(wheres) == set(PARTIAL)
+    for name, where in wheres.items():
+        if partial:
+            assert where is not None and PARTIAL[name] in where, (name, where)
+        else:
+            assert where is None, (name, where)
+    assert _differences(db_url) == []
+    command.downgrade(alembic_config(url=db_url), "0012")
+    assert _index_wheres(db_url) == whole
+    command.upgrade(alembic_config(url=db_url), "head")
+    assert _index_wheres(db_url) == wheres
+
+
 def _index_names(url: str) -> set[str]:
     engine = create_engine(url)
     try:

@@ -41,7 +41,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.schema import CreateColumn
 
 from ..errors import LeaseDatabaseError, LeaseError
-from ..schema import QUEUED, metadata, runs
+from ..schema import QUEUED, metadata, partial, runs
 from .bounds import MigrationBounds, WaitBounds
 from .driver import DriverStatement
 from .sql import claim_params, claim_upsert, reserve_rate
@@ -173,6 +173,12 @@ class OnlineDDL(abc.ABC):
         """Drop an index."""
 
     @abc.abstractmethod
+    def set_partial(self, name: str, table: str, columns: Sequence[str], where: str | None) -> None:
+        """Build index ``name`` on ``columns`` again, holding only the rows ``where`` (SQL)
+        is true for (None: every row), under the same name; where the database has no
+        partial indexes, the full index stays as it is."""
+
+    @abc.abstractmethod
     def bounded(self, change: Callable[[], None]) -> None:
         """Run ``change`` (one DDL statement) with its lock wait bounded."""
 
@@ -193,6 +199,12 @@ class PlainDDL(OnlineDDL):
     def drop_index(self, name: str, table: str) -> None:
         """``DROP INDEX``."""
         self.op.drop_index(name, table_name=table)
+
+    def set_partial(self, name: str, table: str, columns: Sequence[str], where: str | None) -> None:
+        """``DROP INDEX``, then ``CREATE INDEX .. WHERE``: SQLite's migration holds the
+        file's write lock throughout, so no statement sees the table without it."""
+        self.op.drop_index(name, table_name=table)
+        self.op.create_index(name, table, list(columns), **partial(where))
 
     def bounded(self, change: Callable[[], None]) -> None:
         """Run ``change`` as it is."""

@@ -473,6 +473,9 @@ class MySQLDDL(OnlineDDL):
         statement = f"ALTER TABLE {table} DROP INDEX {name}, ALGORITHM=INPLACE, LOCK=NONE"
         self.bounded(lambda: self.op.execute(statement))
 
+    def set_partial(self, name: str, table: str, columns: Sequence[str], where: str | None) -> None:
+        """Nothing: InnoDB has no partial indexes, the full index stays."""
+
 
 def _by_primary_key(statement: Any) -> Any:
     """``statement`` with ``FORCE INDEX (PRIMARY)`` on MySQL and on MariaDB: SQLAlchemy

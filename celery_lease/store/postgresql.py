@@ -26,7 +26,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from ..schema import runs
+from ..schema import partial, runs
 from .bounds import MigrationBounds, WaitBounds
 from .database import (
     ClaimPath,
@@ -406,6 +406,22 @@ class PostgresDDL(OnlineDDL):
             )
         )
 
+    def set_partial(self, name: str, table: str, columns: Sequence[str], where: str | None) -> None:
+        """Build the new index concurrently under a temporary name, drop the old one
+        concurrently, then rename the new one (``ALTER INDEX .. RENAME``, which no write
+        waits for): queries have one of the two throughout. Inside a caller's own
+        transaction: a plain drop and build, under a bounded wait."""
+        if not own_transactions(self.op):
+            self.bounded(lambda: self.op.drop_index(name, table_name=table))
+            self.bounded(lambda: self.op.create_index(name, table, list(columns), **partial(where)))
+            return
+        building = f"{name[: 63 - len(_BUILDING)]}{_BUILDING}"
+        self._concurrently(
+            lambda: self._build(self.op.get_bind(), building, table, columns, where=where)
+        )
+        self.drop_index(name, table)
+        self.bounded(lambda: self.op.execute(f"ALTER INDEX {building} RENAME TO {name}"))
+
     def _concurrently(self, change: Callable[[], None]) -> None:
         """Run ``change`` outside any transaction, waiting at most ``bounds.total`` for locks
         (none that a write waits for)."""
@@ -421,7 +437,15 @@ class PostgresDDL(OnlineDDL):
             finally:
                 connection.exec_driver_sql("RESET lock_timeout")
 
-    def _build(self, connection: Connection, name: str, table: str, columns: Sequence[str]) -> None:
+    def _build(
+        self,
+        connection: Connection,
+        name: str,
+        table: str,
+        columns: Sequence[str],
+        *,
+        where: str | None = None,
+    ) -> None:
         valid = connection.execute(
             text("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(:name)"),
             {"name": name},
@@ -430,7 +454,13 @@ class PostgresDDL(OnlineDDL):
             return
         if valid is not None:  # a failed or interrupted concurrent build
             self.op.drop_index(name, table_name=table, postgresql_concurrently=True)
-        self.op.create_index(name, table, list(columns), postgresql_concurrently=True)
+        self.op.create_index(
+            name, table, list(columns), postgresql_concurrently=True, **partial(where)
+        )
+
+
+#: The suffix of an index :meth:`PostgresDDL.set_partial` builds before it takes the name.
+_BUILDING = "_new"
 
 
 def _ms(seconds: float) -> int:
