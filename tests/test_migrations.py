@@ -515,6 +515,41 @@ def test_keyless_and_unfinished_runs_stay_out_of_two_indexes_after_0013(db_url: 
     assert _index_wheres(db_url) == wheres
 
 
+@pytest.mark.timeout(90)
+def test_embedded_worker_makes_a_whole_index_of_an_older_sqlite_file_partial(
+    sqlite_url: str, workers: list[Worker], tmp_path: Path
+) -> None:
+    """The embedded default has no migrate step: a worker started on a SQLite file made
+    before 0013 builds the two indexes again, partial (one BEGIN IMMEDIATE transaction),
+    and runs tasks on it."""
+    upgrade(sqlite_url, "0012")
+    assert _index_wheres(sqlite_url) == dict.fromkeys(PARTIAL)
+    engine = plain_engine(sqlite_url)
+    try:
+        effects_metadata.create_all(engine)
+        folder = tmp_path / "broker"
+        (folder / "control").mkdir(parents=True)
+        env = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+        env["CL_LEASE_DB"] = sqlite_url
+        worker = Worker(env, tmp_path / "w.log", name="w", pool="threads", concurrency=2)
+        workers.append(worker)
+        worker.wait_ready(60)
+        wheres = _index_wheres(sqlite_url)
+        assert all(where and PARTIAL[name] in where for name, where in wheres.items()), wheres
+        producer = Celery("producer", broker="filesystem://")
+        producer.conf.broker_transport = "celery_lease.contrib.fs_transport:Transport"
+        producer.conf.broker_transport_options = {
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "control_folder": str(folder / "control"),
+        }
+        task_id = uuid.uuid4().hex
+        producer.send_task("workerapp.work", args=(0.0,), task_id=task_id)
+        wait_for(lambda: _status(engine, task_id) == "succeeded", 30, 0.1, "the run")
+    finally:
+        engine.dispose()
+
+
 def _index_names(url: str) -> set[str]:
     engine = create_engine(url)
     try:

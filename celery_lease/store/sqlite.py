@@ -15,6 +15,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    text,
 )
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import sqlite
@@ -117,8 +118,10 @@ class SQLite(Database):
         return engine.execution_options(**{SQLITE_AUTOCOMMIT: True}), True
 
     def prepare(self, engine: Engine) -> None:
-        """The embedded default needs no migrate step: create the table and its indexes."""
+        """The embedded default needs no migrate step: create the table and its indexes,
+        and build again, partial, an index a file made before 0013 holds whole."""
         create_schema(engine)
+        _partial_indexes(engine)
 
     def unreachable(self, url: URL) -> str | None:
         """A file whose directory does not exist (SQLite would not create the directory)."""
@@ -253,6 +256,24 @@ class SQLite(Database):
             event.listen(engine, "begin", on_begin)
             event.listen(engine.pool, "checkout", on_checkout)
             engine.dispose()  # connections made before the listeners would lack the settings
+
+
+def _partial_indexes(engine: Engine) -> None:
+    """Rebuild each runs index the schema has partial (``sqlite_where``) that the file holds
+    whole: what migration 0013 does, in one ``BEGIN IMMEDIATE`` transaction (a worker
+    starting beside this one waits, then finds the indexes partial)."""
+    partial = [
+        index for index in runs.indexes if index.dialect_options["sqlite"]["where"] is not None
+    ]
+    with engine.begin() as conn:
+        for index in partial:
+            sql = conn.execute(
+                text("SELECT sql FROM sqlite_master WHERE type = 'index' AND name = :name"),
+                {"name": index.name},
+            ).scalar()
+            if sql is not None and " WHERE " not in str(sql).upper():
+                index.drop(conn)
+                index.create(conn)
 
 
 def _file_of(url: URL) -> str | None:
