@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from celery_lease.errors import LeaseDatabaseError, LeaseInputError
 from celery_lease.migrations import upgrade
 from celery_lease.schema import runs
 from celery_lease.store import RunNotFound
+from celery_lease.store.driver import held_for
 
 from .helpers import driver_statements
 
@@ -629,3 +631,60 @@ def test_hot_statements_fit_psycopgs_query_cache() -> None:
         size = len(str(compiled).encode())
         assert size <= _queries.MAX_CACHED_STATEMENT_LENGTH, (name, size)
         assert len(compiled.params) <= _queries.MAX_CACHED_STATEMENT_PARAMS, name
+
+
+@pytest.mark.timeout(60)
+def test_sqlite_hot_path_keeps_one_connection_per_task_thread(sqlite_url: str) -> None:
+    """On SQLite the claim and the completion run on a connection the task thread keeps
+    (a pool check-out and check-in cost about 10 µs of CPU a statement): no check-out per
+    task. Another thread checks out of the pool as before; dispose() gives the kept one
+    up; a connection found dead is replaced."""
+    from sqlalchemy import event
+
+    store = LeaseStore.from_url(sqlite_url)
+    store.create_schema()
+    checkouts: list[int] = []
+    event.listen(store.db.engine.pool, "checkout", lambda *a: checkouts.append(1))
+
+    def run(run_id: str) -> None:
+        claim = store.claim(run_id, "o", task_name="t", lease_ms=30_000, max_attempts=5)
+        assert claim.outcome == "claimed"
+        store.complete(run_id, "o", claim.attempt)
+
+    try:
+        for i in range(50):
+            run(f"r{i}")
+        assert len(checkouts) <= 1, len(checkouts)
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                for i in range(5):
+                    run(f"t{i}")
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(30)
+        assert not errors and not thread.is_alive()
+        assert 1 < len(checkouts) <= 11  # the other thread: the pool, twice per run
+        status = store.db.engine.pool.checkedout()
+        assert status == 1, status  # the task thread's, kept
+        store.dispose()  # the new pool keeps the old one's listeners
+        assert store.db.engine.pool.checkedout() == 0
+        checkouts.clear()
+        run("after-dispose")
+        assert len(checkouts) == 1 and store.db.engine.pool.checkedout() == 1
+        held = held_for(store.db.auto)
+        assert held is not None
+        held.take(store.db.auto).dbapi_connection.close()  # as if the file went away
+        with pytest.raises(LeaseDatabaseError):
+            run("dead")
+        run("after-dead")
+        assert len(checkouts) == 2 and store.db.engine.pool.checkedout() == 1
+        with store.db.engine.connect() as conn:
+            done = conn.execute(select(runs.c.status).where(runs.c.id.like("%"))).scalars().all()
+        assert done.count("succeeded") == 57
+    finally:
+        store.dispose()

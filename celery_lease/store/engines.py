@@ -20,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .bounds import DEFAULT_BOUNDS, WaitBounds
 from .database import Database
 from .databases import backend_of, database_for
-from .driver import DriverStatement
+from .driver import DriverStatement, held_for
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,7 +109,10 @@ class Engines:
         return DriverStatement(self.auto, statement, returns_row=returns_row) if self.raw else None
 
     def dispose(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection, and the one the hot path keeps (SQLite)."""
+        held = held_for(self.auto)
+        if held is not None:
+            held.close()
         for engine in self.engines:
             engine.dispose()
 

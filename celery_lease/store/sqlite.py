@@ -41,6 +41,7 @@ from .database import (
     upsert_renew,
     upsert_waiting,
 )
+from .driver import HOLD_CONNECTION
 
 if TYPE_CHECKING:
     from alembic.operations import Operations
@@ -115,7 +116,7 @@ class SQLite(Database):
         self._configure(engine, bounds)
         if given is not None:
             return given, True
-        return engine.execution_options(**{SQLITE_AUTOCOMMIT: True}), True
+        return engine.execution_options(**{SQLITE_AUTOCOMMIT: True, HOLD_CONNECTION: True}), True
 
     def prepare(self, engine: Engine) -> None:
         """The embedded default needs no migrate step: create the table and its indexes,
