@@ -37,6 +37,7 @@ from celery_lease.store import LeaseStore
 from celery_lease.store.databases import database_for
 from celery_lease.store.mysql import MySQLMigrationLock
 from celery_lease.store.postgresql import PG_LOCK_KEY
+from tests.cluster import Cluster
 from tests.helpers import REPO, Worker, plain_engine, require, wait_for
 from tests.workerapp import effects, effects_metadata
 
@@ -524,30 +525,18 @@ def test_embedded_worker_makes_a_whole_index_of_an_older_sqlite_file_partial(
     and runs tasks on it."""
     upgrade(sqlite_url, "0012")
     assert _index_wheres(sqlite_url) == dict.fromkeys(PARTIAL)
-    engine = plain_engine(sqlite_url)
+    folder = tmp_path / "broker"
+    (folder / "control").mkdir(parents=True)
+    broker = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+    cluster = Cluster(sqlite_url, broker, tmp_path, workers)  # its create_schema adds nothing
     try:
-        effects_metadata.create_all(engine)
-        folder = tmp_path / "broker"
-        (folder / "control").mkdir(parents=True)
-        env = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
-        env["CL_LEASE_DB"] = sqlite_url
-        worker = Worker(env, tmp_path / "w.log", name="w", pool="threads", concurrency=2)
-        workers.append(worker)
-        worker.wait_ready(60)
+        cluster.start("w", pool="threads")
         wheres = _index_wheres(sqlite_url)
         assert all(where and PARTIAL[name] in where for name, where in wheres.items()), wheres
-        producer = Celery("producer", broker="filesystem://")
-        producer.conf.broker_transport = "celery_lease.contrib.fs_transport:Transport"
-        producer.conf.broker_transport_options = {
-            "data_folder_in": str(folder),
-            "data_folder_out": str(folder),
-            "control_folder": str(folder / "control"),
-        }
-        task_id = uuid.uuid4().hex
-        producer.send_task("workerapp.work", args=(0.0,), task_id=task_id)
-        wait_for(lambda: _status(engine, task_id) == "succeeded", 30, 0.1, "the run")
+        task_id = cluster.send("work", 0.0)
+        wait_for(lambda: _status(cluster.engine, task_id) == "succeeded", 30, 0.1, "the run")
     finally:
-        engine.dispose()
+        cluster.close()
 
 
 def _index_names(url: str) -> set[str]:

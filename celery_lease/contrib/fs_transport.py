@@ -13,14 +13,14 @@ example project and the test suite do.
 It also consumes from a listing kept between polls. kombu lists and sorts the
 whole folder for every message it takes, so a worker facing a backlog of N
 messages spent O(N) of its main process's CPU per message (about 0.8 ms per
-task at a backlog of 1,000). Here one listing serves every queue:
-each takes its messages from it in name order (up to :data:`LISTING_BATCH`);
-a queue whose listed messages are all taken lists the folder again at once,
-and a queue the listing found empty (the worker's control queue, an idle
-queue) at most every :data:`LISTING_MAX_AGE` seconds. A file another consumer took meanwhile is
-skipped, as kombu skips one. Messages renamed into place after a listing are
-taken after that listing's (their names sort later anyway: they lead with the
-time of the publish).
+task at a backlog of 1,000). Here one listing serves every queue: each takes
+its messages from it in name order (up to :data:`LISTING_BATCH`); a queue
+whose listed messages are all taken lists the folder again at once, and a
+queue the listing found empty (the worker's control queue, an idle queue) at
+most every :data:`LISTING_MAX_AGE` seconds. A file another consumer took
+meanwhile is skipped, as kombu skips one. Messages renamed into place after a
+listing are taken after that listing's (their names sort later anyway: they
+lead with the time of the publish).
 
 It keeps what kombu's own publish does besides the file name: the file is
 written under an exclusive lock (``LOCK_EX``, kombu's lock helpers), and any
