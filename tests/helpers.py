@@ -80,13 +80,16 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
     Recorded below SQLAlchemy, so statements celery-lease runs on the raw
     DBAPI cursor count too. SQLite: the connection's trace callback (pooled
     connections are dropped first so new ones get it). psycopg and PyMySQL:
-    their cursor's ``execute`` is wrapped for the duration. What runs while the
-    pool opens a connection (pragmas, session settings, the backend's pid) is
-    not recorded: it is paid once per pooled connection, not per task, and a
-    loaded machine opens a second one whenever a heartbeat tick and a task's
-    statement overlap. Shared by the tests and ``benchmarks/sql.py``.
-    The ``set_config`` call that bounds each psycopg statement is not counted:
-    it travels in the statement's own round trip (the same query, or pipeline).
+    their cursor's ``execute`` is wrapped for the duration, and on psycopg so
+    is the one call that sends a hot-path statement through libpq
+    (``LibpqStatement._exec``; its ``PREPARE``, once per connection, is not
+    counted). What runs while the pool opens a connection (pragmas, session
+    settings, the backend's pid) is not recorded: it is paid once per pooled
+    connection, not per task, and a loaded machine opens a second one whenever
+    a heartbeat tick and a task's statement overlap. Shared by the tests and
+    ``benchmarks/sql.py``. The ``set_config`` call that bounds each psycopg
+    statement is not counted: it travels in the statement's own round trip (the
+    same query, or pipeline).
     """
     from sqlalchemy import event
 
@@ -146,6 +149,18 @@ def driver_statements(engines: Any) -> Iterator[list[tuple[int, str]]]:
 
         restore.append((cursor_class, "execute", original))
         cursor_class.execute = execute
+        if dialect == "postgresql":
+            # The hot path's statements skip psycopg's cursor (LibpqStatement).
+            from celery_lease.store.postgresql import LibpqStatement
+
+            send = LibpqStatement._exec
+
+            def libpq(self: Any, pgconn: Any, values: Any) -> Any:
+                record(self.sql)
+                return send(self, pgconn, values)
+
+            restore.append((LibpqStatement, "_exec", send))
+            LibpqStatement._exec = libpq  # type: ignore[method-assign]
     try:
         yield seen
     finally:

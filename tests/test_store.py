@@ -688,3 +688,110 @@ def test_sqlite_hot_path_keeps_one_connection_per_task_thread(sqlite_url: str) -
         assert done.count("succeeded") == 57
     finally:
         store.dispose()
+
+
+def test_postgresql_hot_path_runs_through_libpq_not_psycopgs_cursor(
+    pg_url: str, pgbouncer_url: str
+) -> None:
+    """On a connection that reaches PostgreSQL directly, the claim and the completion skip
+    psycopg's cursor (about 16 µs of CPU a statement) and run as statements prepared once
+    per connection: bytes, text and integers go and come back as they were, a prepared
+    statement the server dropped or a plan a schema change made stale is prepared again,
+    and a dead connection fails one statement and is replaced. Behind PgBouncer, where
+    nothing may be prepared, they keep the cursor."""
+    import psycopg
+
+    from celery_lease.store.postgresql import LibpqStatement
+
+    cursor_calls: list[Any] = []
+    sent: list[int] = []
+    counting = threading.local()
+    original_execute, original_exec = psycopg.Cursor.execute, LibpqStatement._exec
+
+    def counted_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(counting, "on", False):
+            cursor_calls.append(args[0])
+        return original_execute(self, *args, **kwargs)
+
+    def counted_exec(self: Any, pgconn: Any, values: Any) -> Any:
+        sent.append(1)
+        return original_exec(self, pgconn, values)
+
+    def run(store: LeaseStore, run_id: str, owner: str = "ø-owner") -> None:
+        counting.on = True  # the claim and the completion (a new connection's set-up aside)
+        claim = store.claim(
+            run_id,
+            owner,
+            task_name="tâche ✓",
+            lease_ms=30_000,
+            max_attempts=5,
+            payload=b"\x00\xff\x00 body",
+            payload_content_type="application/x-test",
+            task_id=f"task-{run_id}",
+        )
+        assert claim.outcome == "claimed", claim
+        store.complete(run_id, owner, claim.attempt, result=(b"\x00\x01", "x/y"))
+        counting.on = False
+        row = store.get(run_id)
+        assert row is not None and row.status == "succeeded"
+        assert (row.task_name, row.lease_owner, row.result) == ("tâche ✓", owner, b"\x00\x01")
+
+    store = LeaseStore.from_url(pg_url)
+    store.create_schema()
+    with store.db.auto.connect():
+        pass  # the pooled connection is opened (and set up) before counting
+    psycopg.Cursor.execute = counted_execute  # type: ignore[method-assign]
+    LibpqStatement._exec = counted_exec  # type: ignore[method-assign]
+    try:
+        for i in range(20):
+            run(store, f"r{i}")
+        assert (len(cursor_calls), len(sent)) == (0, 40), cursor_calls
+
+        # A takeover reads back the checkpoint (JSON text, even one that reads as a
+        # number), the trace context and the counters, with their types.
+        first = store.claim("t", "A", task_name="t", lease_ms=30_000, max_attempts=5)
+        store.checkpoint("t", "A", first.attempt, "5")
+        assert store.expire("t")
+        again = store.claim(
+            "t", "B", task_name="t", lease_ms=30_000, max_attempts=7, trace_context="tp"
+        )
+        assert (again.outcome, again.attempt, again.max_attempts) == ("claimed", 2, 7)
+        assert again.checkpoint == "5" and isinstance(again.checkpoint, str)
+
+        # The server forgot the prepared statements (DEALLOCATE ALL, a pooler's reset).
+        with store.db.auto.connect() as conn:
+            conn.exec_driver_sql("DEALLOCATE ALL")
+        run(store, "after-deallocate")
+        # A column type changed under the prepared claim: its cached plan is stale.
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql(
+                "ALTER TABLE celery_lease_runs ALTER COLUMN trace_context TYPE text"
+            )
+        run(store, "after-alter")
+
+        # The server ends the connection: one statement fails, the next has a new one.
+        with store.db.auto.connect() as conn:
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        with store.engine.connect() as conn:
+            conn.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+        with pytest.raises(LeaseDatabaseError) as failed:
+            run(store, "dead")
+        assert failed.value.transient, failed.value
+        counting.on = False
+        run(store, "after-dead")
+    finally:
+        psycopg.Cursor.execute = original_execute  # type: ignore[method-assign]
+        LibpqStatement._exec = original_exec  # type: ignore[method-assign]
+        store.dispose()
+
+    pooled = LeaseStore.from_url(pgbouncer_url)
+    pooled.create_schema()
+    sent.clear()
+    LibpqStatement._exec = counted_exec  # type: ignore[method-assign]
+    try:
+        for i in range(5):
+            run(pooled, f"p{i}")
+        assert sent == []
+    finally:
+        LibpqStatement._exec = original_exec  # type: ignore[method-assign]
+        pooled.dispose()

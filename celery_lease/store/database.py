@@ -364,6 +364,13 @@ class Database(abc.ABC):
         """How this database claims a run, built once per store."""
 
     @abc.abstractmethod
+    def driver_statement(
+        self, auto: Engine, statement: Any, *, returns_row: bool
+    ) -> DriverStatement:
+        """``statement`` compiled once to run below SQLAlchemy on the autocommit engine
+        ``auto`` (the claim, the completion, the checkpoint)."""
+
+    @abc.abstractmethod
     def lock_key(self, conn: Connection, key: str) -> bool:
         """Serialize the claims sharing concurrency ``key`` inside ``conn``'s transaction;
         False means another claimer holds the key (report busy)."""
@@ -439,10 +446,12 @@ class UpsertClaim:
     (:class:`DriverStatement`); otherwise through SQLAlchemy.
     """
 
-    def __init__(self, insert: Any, auto: Engine, *, raw: bool) -> None:
-        self.statement = claim_upsert(insert)
+    def __init__(self, database: Database, auto: Engine, *, raw: bool) -> None:
+        self.statement = claim_upsert(database.insert)
         self._auto = auto
-        self._driver = DriverStatement(auto, self.statement, returns_row=True) if raw else None
+        self._driver = (
+            database.driver_statement(auto, self.statement, returns_row=True) if raw else None
+        )
 
     def claim(
         self,

@@ -231,6 +231,7 @@ class DriverStatement:
         if compiled.escaped_bind_names:
             raise ValueError("bind parameter names must not need escaping")
         self.engine = engine
+        self.compiled = compiled
         self.sql = compiled.string
         self.returns_row = returns_row
         self._positions = tuple(compiled.positiontup or ()) if compiled.positional else None
@@ -253,42 +254,46 @@ class DriverStatement:
     def execute(self, params: dict[str, Any]) -> tuple[int, Any]:
         """Run with ``params`` (by bind name); ``(rowcount, first row or None)``."""
         merged = {**self._defaults, **self._process(params)}
-        args: Any = merged if self._positions is None else [merged[n] for n in self._positions]
         try:
             held = self._held.take(self.engine) if self._held is not None else None
             raw = held if held is not None else self.engine.raw_connection()
         except self._dbapi_error as exc:
-            raise self._wrap(exc, args, invalidated=False) from exc
-        cursor = None
+            raise self._wrap(exc, merged, invalidated=False) from exc
         try:
-            cursor = raw.cursor()
-            cursor.execute(self.sql, args)
-            row = cursor.fetchone() if self.returns_row else None
-            return int(cursor.rowcount), row
+            return self._run(raw, merged)
         except self._dbapi_error as exc:
             dead = self.engine.dialect.is_disconnect(
                 exc,  # type: ignore[arg-type]
                 raw.dbapi_connection,
-                cursor,
+                None,
             )
             if dead:
                 raw.invalidate(exc)
                 if held is not None and self._held is not None:
                     self._held.forget(held)
                     held = None
-            raise self._wrap(exc, args, invalidated=dead) from exc
+            raise self._wrap(exc, merged, invalidated=dead) from exc
         finally:
-            if cursor is not None:
-                # The statement's own outcome (or error) is what counts.
-                with contextlib.suppress(self._dbapi_error):
-                    cursor.close()
             if held is None:
                 raw.close()
 
-    def _wrap(self, exc: Exception, args: Any, *, invalidated: bool) -> Exception:
+    def _run(self, raw: Any, merged: dict[str, Any]) -> tuple[int, Any]:
+        """The statement on the pooled connection ``raw`` (a DBAPI cursor's execute)."""
+        args: Any = merged if self._positions is None else [merged[n] for n in self._positions]
+        cursor = raw.cursor()
+        try:
+            cursor.execute(self.sql, args)
+            row = cursor.fetchone() if self.returns_row else None
+            return int(cursor.rowcount), row
+        finally:
+            # The statement's own outcome (or error) is what counts.
+            with contextlib.suppress(self._dbapi_error):
+                cursor.close()
+
+    def _wrap(self, exc: Exception, params: Any, *, invalidated: bool) -> Exception:
         return DBAPIError.instance(
             self.sql,
-            args,
+            params,
             exc,
             self._dbapi_error,
             hide_parameters=self.engine.hide_parameters,

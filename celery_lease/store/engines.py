@@ -106,7 +106,9 @@ class Engines:
     def driver(self, statement: Any, *, returns_row: bool) -> DriverStatement | None:
         """``statement`` compiled once to run at the driver level, where the single-statement
         engine allows it (else None: run it through SQLAlchemy)."""
-        return DriverStatement(self.auto, statement, returns_row=returns_row) if self.raw else None
+        if not self.raw:
+            return None
+        return self.database.driver_statement(self.auto, statement, returns_row=returns_row)
 
     def dispose(self) -> None:
         """Close every pooled connection, and the one the hot path keeps (SQLite)."""

@@ -49,6 +49,7 @@ from .database import (
     transient,
     unresolvable_host,
 )
+from .driver import DriverStatement
 from .sql import claimable, insert_source, not_paused, takeover_values
 
 if TYPE_CHECKING:
@@ -266,6 +267,12 @@ class MySQL(Database):
     def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> ClaimPath:
         """A locked read-then-write (:class:`LockedClaim`)."""
         return LockedClaim(self.insert, engine)
+
+    def driver_statement(
+        self, auto: Engine, statement: Any, *, returns_row: bool
+    ) -> DriverStatement:
+        """The driver's cursor (:class:`~celery_lease.store.driver.DriverStatement`)."""
+        return DriverStatement(auto, statement, returns_row=returns_row)
 
     def lock_key(self, conn: Connection, key: str) -> bool:
         """Nothing to take: the locking count (:meth:`count_live`) serializes the key."""

@@ -41,7 +41,7 @@ from .database import (
     upsert_renew,
     upsert_waiting,
 )
-from .driver import HOLD_CONNECTION
+from .driver import HOLD_CONNECTION, DriverStatement
 
 if TYPE_CHECKING:
     from alembic.operations import Operations
@@ -163,7 +163,13 @@ class SQLite(Database):
 
     def claim_path(self, engine: Engine, auto: Engine, *, raw: bool) -> ClaimPath:
         """One upsert."""
-        return UpsertClaim(self.insert, auto, raw=raw)
+        return UpsertClaim(self, auto, raw=raw)
+
+    def driver_statement(
+        self, auto: Engine, statement: Any, *, returns_row: bool
+    ) -> DriverStatement:
+        """The driver's cursor (:class:`~celery_lease.store.driver.DriverStatement`)."""
+        return DriverStatement(auto, statement, returns_row=returns_row)
 
     def lock_key(self, conn: Connection, key: str) -> bool:
         """Nothing to take: ``BEGIN IMMEDIATE``'s write lock already serializes the claim."""
