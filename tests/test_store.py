@@ -795,3 +795,21 @@ def test_postgresql_hot_path_runs_through_libpq_not_psycopgs_cursor(
     finally:
         LibpqStatement._exec = original_exec  # type: ignore[method-assign]
         pooled.dispose()
+
+
+def test_postgresql_libpq_path_refuses_text_it_cannot_send_as_psycopg_does(pg_url: str) -> None:
+    """A NUL would end a text parameter early in libpq, and a lone surrogate has no UTF-8:
+    such a value goes to psycopg's cursor, which refuses it, and nothing is written."""
+    store = LeaseStore.from_url(pg_url)
+    store.create_schema()
+    try:
+        claim = store.claim("r", "A", task_name="t", lease_ms=30_000, max_attempts=5)
+        # psycopg: DataError for the NUL, UnicodeEncodeError for the surrogate.
+        for hostile in ("A\x00B", "A\ud800"):
+            with pytest.raises((LeaseDatabaseError, UnicodeEncodeError)):
+                store.complete("r", hostile, claim.attempt)
+        row = store.get("r")
+        assert row is not None and (row.status, row.lease_owner) == ("running", "A")
+        store.complete("r", "A", claim.attempt)
+    finally:
+        store.dispose()

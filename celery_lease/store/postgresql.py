@@ -638,7 +638,8 @@ class LibpqStatement(DriverStatement):
         return True
 
     def _values(self, merged: dict[str, Any]) -> list[bytes | None] | None:
-        """The parameters as libpq takes them, or None if one is of another type."""
+        """The parameters as libpq takes them, or None if one is of another type or is
+        text libpq cannot take as it is (then the cursor sends it, or refuses it)."""
         out: list[bytes | None] = []
         binary_wrapper = self._psycopg.Binary
         for name, binary in self._plan:
@@ -652,7 +653,14 @@ class LibpqStatement(DriverStatement):
                     return None
                 out.append(bytes(value))
             elif isinstance(value, str):
-                out.append(value.encode())
+                # libpq ends a text parameter at a NUL, and a lone surrogate has no UTF-8:
+                # psycopg's cursor refuses both, as it did before this path.
+                if "\x00" in value:
+                    return None
+                try:
+                    out.append(value.encode())
+                except UnicodeEncodeError:
+                    return None
             elif isinstance(value, bool):
                 out.append(b"true" if value else b"false")
             elif isinstance(value, int):
