@@ -253,14 +253,15 @@ class DriverStatement:
 
     def execute(self, params: dict[str, Any]) -> tuple[int, Any]:
         """Run with ``params`` (by bind name); ``(rowcount, first row or None)``."""
-        merged = {**self._defaults, **self._process(params)}
+        given = self._process(params)
+        merged = {**self._defaults, **given}
         try:
             held = self._held.take(self.engine) if self._held is not None else None
             raw = held if held is not None else self.engine.raw_connection()
         except self._dbapi_error as exc:
             raise self._wrap(exc, merged, invalidated=False) from exc
         try:
-            return self._run(raw, merged)
+            return self._run(raw, merged, given)
         except self._dbapi_error as exc:
             dead = self.engine.dialect.is_disconnect(
                 exc,  # type: ignore[arg-type]
@@ -277,8 +278,9 @@ class DriverStatement:
             if held is None:
                 raw.close()
 
-    def _run(self, raw: Any, merged: dict[str, Any]) -> tuple[int, Any]:
-        """The statement on the pooled connection ``raw`` (a DBAPI cursor's execute)."""
+    def _run(self, raw: Any, merged: dict[str, Any], given: dict[str, Any]) -> tuple[int, Any]:
+        """The statement on the pooled connection ``raw`` (a DBAPI cursor's execute):
+        ``merged`` is every parameter, ``given`` the caller's (both processed)."""
         args: Any = merged if self._positions is None else [merged[n] for n in self._positions]
         cursor = raw.cursor()
         try:

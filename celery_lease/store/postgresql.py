@@ -582,7 +582,7 @@ class LibpqStatement(DriverStatement):
         types = {name: bind.type for bind, name in self.compiled.bind_names.items()}
         self._order = tuple(order)
         self._binary = tuple(isinstance(types.get(n), LargeBinary) for n in self._order)
-        self._plan = tuple(zip(self._order, self._binary, strict=True))
+        self._index = {name: i for i, name in enumerate(self._order)}
         self._formats = [1 if binary else 0 for binary in self._binary]
         self._types = [_BYTEA_OID if binary else 0 for binary in self._binary]
         self._ready: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -591,15 +591,24 @@ class LibpqStatement(DriverStatement):
         # Only integers and text come back decoded here.
         returned = getattr(self.compiled, "effective_returning", None) or ()
         self._fits = all(isinstance(column.type, (Integer, String)) for column in returned)
+        # The statement's literal values ('running', 1, NULL), encoded once; a call
+        # encodes only the parameters it gives.
+        try:
+            self._fixed = [
+                _encode(self._defaults.get(name), binary, psycopg.Binary)
+                for name, binary in zip(self._order, self._binary, strict=True)
+            ]
+        except _Unsendable:
+            self._fixed, self._fits = [], False
 
-    def _run(self, raw: Any, merged: dict[str, Any]) -> tuple[int, Any]:
+    def _run(self, raw: Any, merged: dict[str, Any], given: dict[str, Any]) -> tuple[int, Any]:
         conn = raw.dbapi_connection
         ready = self._ready.get(conn)
         if ready is None:
             ready = self._ready[conn] = self._prepare(conn)
-        values = self._values(merged) if ready else None
+        values = self._values(given) if ready else None
         if values is None:
-            return super()._run(raw, merged)
+            return super()._run(raw, merged, given)
         result = self._exec(conn.pgconn, values)
         if result.status not in self._ok:
             if result.error_field(_SQLSTATE) not in self._stale:
@@ -637,36 +646,19 @@ class LibpqStatement(DriverStatement):
             raise psycopg.errors.error_from_result(result)
         return True
 
-    def _values(self, merged: dict[str, Any]) -> list[bytes | None] | None:
-        """The parameters as libpq takes them, or None if one is of another type or is
-        text libpq cannot take as it is (then the cursor sends it, or refuses it)."""
-        out: list[bytes | None] = []
-        binary_wrapper = self._psycopg.Binary
-        for name, binary in self._plan:
-            value = merged[name]
-            if value is None:
-                out.append(None)
-            elif binary:
-                if isinstance(value, binary_wrapper):
-                    value = value.obj
-                if not isinstance(value, (bytes, bytearray, memoryview)):
-                    return None
-                out.append(bytes(value))
-            elif isinstance(value, str):
-                # libpq ends a text parameter at a NUL, and a lone surrogate has no UTF-8:
-                # psycopg's cursor refuses both, as it did before this path.
-                if "\x00" in value:
-                    return None
-                try:
-                    out.append(value.encode())
-                except UnicodeEncodeError:
-                    return None
-            elif isinstance(value, bool):
-                out.append(b"true" if value else b"false")
-            elif isinstance(value, int):
-                out.append(b"%d" % value)
-            else:
-                return None
+    def _values(self, given: dict[str, Any]) -> list[bytes | None] | None:
+        """The parameters as libpq takes them (the caller's ``given`` over the literal
+        ones), or None if one is of another type or is text libpq cannot take as it is
+        (then the cursor sends it, or refuses it)."""
+        out = self._fixed.copy()
+        index, binary, wrapper = self._index, self._binary, self._psycopg.Binary
+        try:
+            for name, value in given.items():
+                i = index.get(name)
+                if i is not None:
+                    out[i] = _encode(value, binary[i], wrapper)
+        except _Unsendable:
+            return None
         return out
 
 
@@ -685,3 +677,36 @@ def _decode(oid: int, value: bytes | None) -> Any:
     if value is None:
         return None
     return int(value) if oid in _INTEGER_OIDS else value.decode()
+
+
+class _Unsendable(Exception):
+    """A value libpq cannot take as it is (:func:`_encode`)."""
+
+
+def _encode(value: Any, binary: bool, wrapper: type[Any]) -> bytes | None:
+    """``value`` as a libpq parameter: bytes (binary for a ``bytea``), or None for NULL.
+
+    Raises:
+        _Unsendable: another type; text with a NUL (libpq would end the parameter
+            there) or a lone surrogate (no UTF-8 for it).
+    """
+    if value is None:
+        return None
+    if binary:
+        if isinstance(value, wrapper):
+            value = value.obj
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise _Unsendable
+        return bytes(value)
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise _Unsendable
+        try:
+            return value.encode()
+        except UnicodeEncodeError:
+            raise _Unsendable from None
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    if isinstance(value, int):
+        return b"%d" % value
+    raise _Unsendable
