@@ -254,14 +254,13 @@ class DriverStatement:
     def execute(self, params: dict[str, Any]) -> tuple[int, Any]:
         """Run with ``params`` (by bind name); ``(rowcount, first row or None)``."""
         given = self._process(params)
-        merged = {**self._defaults, **given}
         try:
             held = self._held.take(self.engine) if self._held is not None else None
             raw = held if held is not None else self.engine.raw_connection()
         except self._dbapi_error as exc:
-            raise self._wrap(exc, merged, invalidated=False) from exc
+            raise self._wrap(exc, given, invalidated=False) from exc
         try:
-            return self._run(raw, merged, given)
+            return self._run(raw, given)
         except self._dbapi_error as exc:
             dead = self.engine.dialect.is_disconnect(
                 exc,  # type: ignore[arg-type]
@@ -273,14 +272,15 @@ class DriverStatement:
                 if held is not None and self._held is not None:
                     self._held.forget(held)
                     held = None
-            raise self._wrap(exc, merged, invalidated=dead) from exc
+            raise self._wrap(exc, given, invalidated=dead) from exc
         finally:
             if held is None:
                 raw.close()
 
-    def _run(self, raw: Any, merged: dict[str, Any], given: dict[str, Any]) -> tuple[int, Any]:
-        """The statement on the pooled connection ``raw`` (a DBAPI cursor's execute):
-        ``merged`` is every parameter, ``given`` the caller's (both processed)."""
+    def _run(self, raw: Any, given: dict[str, Any]) -> tuple[int, Any]:
+        """The statement on the pooled connection ``raw`` (a DBAPI cursor's execute), with
+        the caller's parameters ``given`` (processed) over the statement's literal ones."""
+        merged = {**self._defaults, **given}
         args: Any = merged if self._positions is None else [merged[n] for n in self._positions]
         cursor = raw.cursor()
         try:

@@ -601,14 +601,14 @@ class LibpqStatement(DriverStatement):
         except _Unsendable:
             self._fixed, self._fits = [], False
 
-    def _run(self, raw: Any, merged: dict[str, Any], given: dict[str, Any]) -> tuple[int, Any]:
+    def _run(self, raw: Any, given: dict[str, Any]) -> tuple[int, Any]:
         conn = raw.dbapi_connection
         ready = self._ready.get(conn)
         if ready is None:
             ready = self._ready[conn] = self._prepare(conn)
         values = self._values(given) if ready else None
         if values is None:
-            return super()._run(raw, merged, given)
+            return super()._run(raw, given)
         result = self._exec(conn.pgconn, values)
         if result.status not in self._ok:
             if result.error_field(_SQLSTATE) not in self._stale:
