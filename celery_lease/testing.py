@@ -17,7 +17,10 @@ Typical use in a test suite::
             charge(7)
 
 Or add ``pytest_plugins = ["celery_lease.testing"]`` to your ``conftest.py``
-for the ``lease_store`` and ``lease_database_url`` fixtures.
+for the ``lease_store`` and ``lease_database_url`` fixtures. A ``conftest.py``
+may import this module before it lists it: the module has no ``assert`` of its
+own, and its docstring says PYTEST_DONT_REWRITE, so pytest does not warn that it
+cannot rewrite it.
 
 :func:`use_lease_database` points an app at a fresh database (and, by default,
 runs tasks eagerly, in process). :func:`expire_lease` ends a running lease as if

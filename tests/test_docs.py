@@ -124,6 +124,21 @@ def test_every_page_lists_the_real_cli_commands() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_operations_page_names_the_store_methods_that_exist() -> None:
+    """The Python calls docs/operations.md names on ``LeaseStore`` and on its ``reads``
+    exist there (``list_runs`` and ``stats`` live on ``store.reads``)."""
+    from celery_lease import LeaseStore
+    from celery_lease.store.reads import RunReads
+
+    (sentence,) = re.findall(r"In Python, `LeaseStore` has\s+(.*?);", OPERATIONS.read_text(), re.S)
+    on_store = re.findall(r"`([a-z_]+)`", sentence)
+    on_reads = re.findall(r"`store\.reads\.([a-z_]+)\(", OPERATIONS.read_text())
+    assert len(on_store) >= 3 and len(on_reads) >= 2, (on_store, on_reads)
+    assert [name for name in on_store if not callable(getattr(LeaseStore, name, None))] == []
+    assert [name for name in on_reads if not callable(getattr(RunReads, name, None))] == []
+
+
+@pytest.mark.timeout(30)
 def test_settings_reference_table_lists_every_setting() -> None:
     """The reference table of docs/settings.md has one row per key the package reads:
     every per-task setting (``SETTING_NAMES``) and the app-level ones."""
@@ -156,6 +171,10 @@ def test_testing_page_runs_under_pytest_on_the_quickstart_tasks(tmp_path: Path) 
         timeout=100,
     )
     assert f"{shown} passed" in out, out
+    # The page's conftest imports celery_lease.testing before listing it as a plugin.
+    assert "cannot be rewritten; celery_lease" not in out, out
+    # An eager duplicate reads the row's result, not Celery's backend (which warns).
+    assert "when task_always_eager is enabled" not in out, out
 
 
 DJANGO_BASE = """\

@@ -56,6 +56,8 @@ def test_quickstart_runs_as_written_and_a_worker_recovers_a_killed_run(tmp_path:
         wait_for(lambda: "run capture:42 is already succeeded" in worker.log(), 30)
         for line in log_lines:
             assert line in worker.log(), line
+        # No result backend on the page: the drop reports no outcome anywhere, nor says so.
+        assert "reported under" not in worker.log()
         shown = run(argv(cli[0]), tmp_path, env)
         assert "capture:42" in shown and "succeeded" in shown
         assert "capture:42" in run(argv(cli[1]), tmp_path, env)

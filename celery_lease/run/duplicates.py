@@ -55,7 +55,10 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
         same = False
         reported = "reported again under its task id (applied again)"
     else:
-        reported = "" if same else f"its outcome is reported under {own_id}"
+        # Under another task id the outcome is reported as that task's result, where
+        # anyone can ask for it (not under ignore_result, nor without a result backend).
+        asked = not same and _asked(delivery)
+        reported = f"its outcome is reported under {own_id}" if asked else ""
     delivery.events.emit(
         Event.DUPLICATE_DROPPED,
         claim.run_id,
@@ -258,6 +261,8 @@ def _celery_meta(delivery: Delivery, task_id: str | None) -> dict[str, Any] | No
     task = delivery.task
     if not task_id or task.ignore_result:
         return None
+    if delivery.request.is_eager and not task.app.conf.task_store_eager_result:
+        return None  # Celery stores no eager result (and warns when asked for one)
     try:
         meta: dict[str, Any] = task.backend.get_task_meta(task_id)
     except Exception:  # no result backend (DisabledBackend), or it is down
