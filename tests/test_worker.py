@@ -9,6 +9,7 @@ also on PostgreSQL + RabbitMQ.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -333,3 +334,22 @@ def test_startup_errors_split_into_permanent_and_transient(
         assert problem is None
     else:
         assert problem is not None and verdict in problem
+
+
+@pytest.mark.parametrize(
+    "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+@pytest.mark.timeout(90)
+def test_gevent_worker_runs_a_leased_task_then_stops_on_sigterm(cluster: Cluster) -> None:
+    """``-P gevent``: a run succeeds, and SIGTERM then ends the worker with a warm shutdown.
+    Before: the lease's side threads, greenlets on the main OS thread there, masked
+    SIGTERM, SIGINT and SIGQUIT for the whole process, and only SIGKILL ended it."""
+    worker = cluster.start("w1", pool="gevent")
+    run_id = cluster.send("workerapp.work", 0.1)
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the run to succeed")
+    worker.proc.send_signal(signal.SIGTERM)
+    try:
+        worker.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the gevent worker ignored SIGTERM:\n{worker.log()[-2000:]}")
+    assert "Warm shutdown" in worker.log()

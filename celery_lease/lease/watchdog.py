@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +32,22 @@ def block_signals_in_side_thread() -> None:
     die holding that lock and freeze every other child of the pool. Signals
     then go to the main thread, which handles them anyway.
     """
-    if hasattr(signal, "pthread_sigmask") and _SIDE_THREAD_BLOCKED:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _SIDE_THREAD_BLOCKED)
+    if not hasattr(signal, "pthread_sigmask") or not _SIDE_THREAD_BLOCKED:
+        return
+    if _green_threads() or threading.get_native_id() == os.getpid():
+        # The process's main OS thread: under gevent or eventlet a "thread" is a
+        # greenlet on it, and the mask would shut the whole worker off from SIGTERM.
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIDE_THREAD_BLOCKED)
+
+
+def _green_threads() -> bool:
+    """True when gevent or eventlet patched ``threading``: threads are greenlets."""
+    gevent = sys.modules.get("gevent.monkey")
+    if gevent is not None and gevent.is_module_patched("threading"):
+        return True
+    eventlet = sys.modules.get("eventlet.patcher")
+    return eventlet is not None and bool(eventlet.is_monkey_patched("thread"))
 
 
 class Watched(Protocol):
