@@ -180,7 +180,8 @@ def _check_worker_startup(app: Celery, pool: Any) -> None:
         logger.info(
             "celery-lease: lease_interrupt is off on the %s pool; bodies should call "
             "self.lease.check()",
-            getattr(pool, "__name__", pool),
+            # celery.concurrency.gevent.TaskPool: the module names the pool.
+            str(getattr(pool, "__module__", pool)).rpartition(".")[2],
         )
     for database_config in configs.values():
         _check_database(app, database_config)

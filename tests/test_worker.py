@@ -345,6 +345,7 @@ def test_gevent_worker_runs_a_leased_task_then_stops_on_sigterm(cluster: Cluster
     Before: the lease's side threads, greenlets on the main OS thread there, masked
     SIGTERM, SIGINT and SIGQUIT for the whole process, and only SIGKILL ended it."""
     worker = cluster.start("w1", pool="gevent")
+    assert "lease_interrupt is off on the gevent pool" in worker.log()
     run_id = cluster.send("workerapp.work", 0.1)
     wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the run to succeed")
     worker.proc.send_signal(signal.SIGTERM)
