@@ -377,6 +377,31 @@ def test_per_key_concurrency_limit_holds_across_eight_processes(cluster: Cluster
     assert peak == 2  # the limit is used, not just respected
 
 
+@TWO_SETUPS_AND_MARIADB
+@pytest.mark.timeout(120)
+def test_a_freed_concurrency_slot_is_taken_at_the_next_poll_not_at_the_lease_end(
+    cluster: Cluster,
+) -> None:
+    """lease_max_concurrency = 1, a 20 s lease, three 0.5 s runs on one key: each waiting
+    delivery polls every second at most and claims as soon as the slot is free, so the
+    three end within a few seconds. Before, the waiting row was recorded as available only
+    at the holder's lease end (about 20 s on), and the poll that found the slot free was
+    turned back as "waiting for its retry backoff" until then."""
+    conf = {"lease_max_concurrency": 1, "lease_retry_backoff": 0.5, "lease_retry_backoff_max": 1.0}
+    cluster.start("w1", conf=conf, concurrency=3, CL_LEASE_SECONDS="20")
+    run_ids = [cluster.send("workerapp.limited", 9, 0.5) for _ in range(3)]
+    wait_for(
+        lambda: all(cluster.status(r) == "succeeded" for r in run_ids),
+        60,
+        interval=0.2,
+        what="the three runs",
+    )
+    starts = sorted(cluster.effects(r, "start")[0].at for r in run_ids)
+    ends = sorted(cluster.effects(r, "end")[0].at for r in run_ids)
+    assert all(end <= start for end, start in zip(ends, starts[1:], strict=False))  # one at a time
+    assert ends[-1] - starts[0] < 10.0, (starts, ends)
+
+
 @SQLITE_FS
 @pytest.mark.timeout(60)
 def test_unreachable_lease_database_fails_closed(cluster: Cluster) -> None:

@@ -368,7 +368,7 @@ class LeaseStore:
             ).one()
             if int(live[0]) >= limit:
                 left_ms = max(0, int(live[1] or 0))
-                self._record_waiting(conn, values, left_ms)
+                self._record_waiting(conn, values)
                 left = left_ms / 1000.0
                 return ClaimResult(
                     "busy",
@@ -381,11 +381,16 @@ class LeaseStore:
                 )
             return self._claim_path.claim(values, lease_ms, max_attempts, conn)
 
-    def _record_waiting(self, conn: Connection, values: dict[str, Any], wait_ms: int) -> None:
+    def _record_waiting(self, conn: Connection, values: dict[str, Any]) -> None:
         """Record a run waiting for a concurrency slot as ``queued`` (with its arguments).
 
-        If its re-published delivery is lost, the sweeper finds the row stranded
-        after ``available_at`` (the latest a slot must free) and re-enqueues it.
+        The row is claimable at once (``available_at`` now): only the slot count, read
+        under the key's lock, holds it back, so the delivery re-published to poll for
+        a slot claims it as soon as one is free. (A later ``available_at``, such as the
+        holder's lease end, also held that delivery back as a retry's backoff: the slot
+        stayed idle until then.) Each refused poll moves ``available_at`` to now, never
+        earlier than it was: if the re-published delivery is lost, the sweeper finds the
+        row stranded ``stale_after`` seconds after the last poll and re-enqueues it.
         """
         now = db_now_ms()
         waiting = {
@@ -395,11 +400,12 @@ class LeaseStore:
             "attempt": 0,
             # No attempt ran: the trace context the row keeps is a claimer's.
             "trace_context": None,
-            "available_at": now + wait_ms,
+            "available_at": now,
             "created_at": now,
             "updated_at": now,
         }
-        bump = {"available_at": now + wait_ms, "updated_at": now}
+        later = case((runs.c.available_at > now, runs.c.available_at), else_=now)
+        bump = {"available_at": later, "updated_at": now}
         self.db.database.record_waiting(conn, waiting, bump)
 
     # -- why a claim changed nothing ----------------------------------------------
