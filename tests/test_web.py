@@ -451,6 +451,26 @@ def test_writes_need_the_csrf_value_and_the_token(lease_db: tuple[str, Any]) -> 
         headers={"authorization": f"Bearer {TOKEN}"},
     )
     assert bearer.status_code == 200
+    # A script with only the bearer header (no page fetched, no cookie, no CSRF value)
+    # is let through; Basic auth, which a browser replays by itself, still needs the CSRF
+    # value, and a wrong bearer token is refused.
+    add_run(engine, "r3")
+    script = client(url, token=TOKEN)
+    basic = base64.b64encode(f"x:{TOKEN}".encode()).decode()
+    for headers, reason in [
+        ({"authorization": f"Basic {basic}"}, "CSRF check failed"),
+        ({"authorization": f"Bearer {TOKEN}x"}, "CSRF check failed"),
+        ({"authorization": f"Bearer {TOKEN}", "origin": "http://evil.example"}, "cross-origin"),
+    ]:
+        refused = script.post("/action", data={"action": "cancel", "id": "r3"}, headers=headers)
+        assert refused.status_code == 403 and reason in refused.text, headers
+    assert store.get("r3").status == "queued"  # type: ignore[union-attr]
+    scripted = script.post(
+        "/action",
+        data={"action": "cancel", "id": "r3"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert scripted.status_code == 200 and "run r3 is cancelled" in scripted.text
     store.dispose()
 
 

@@ -65,16 +65,29 @@ def presented_token(headers: Mapping[str, str], form: Mapping[str, str]) -> str 
     header (``Bearer <token>``, or Basic auth with the token as password)."""
     if form.get(TOKEN_FIELD):
         return form[TOKEN_FIELD]
-    header = headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer" and value:
-        return value.strip()
+    bearer = bearer_token(headers)
+    if bearer is not None:
+        return bearer
+    scheme, _, value = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "basic" and value:
         try:
             decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError):
             return None
         return decoded.partition(":")[2] or None
+    return None
+
+
+def bearer_token(headers: Mapping[str, str]) -> str | None:
+    """The token of an ``Authorization: Bearer`` header, if the request has one.
+
+    A browser never adds this header by itself (unlike a cookie or Basic auth it
+    remembered), and a page of another site cannot make it send one without a
+    CORS grant this server never gives: a request that carries the right one is
+    a script's, not a forged form's."""
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
     return None
 
 
