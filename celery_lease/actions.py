@@ -59,7 +59,8 @@ def cancel_run(app: Celery, store: LeaseStore, run_id: str) -> ActionResult:
             run_id,
             status,
             f"run {run_id} is running: cancel requested; its worker stops it within one "
-            "heartbeat and it ends cancelled (or, if that worker is gone, at the next sweep)",
+            "heartbeat and it ends cancelled (or, if that worker is gone, at the next sweep), "
+            "unless its body completes first",
         )
     raise ActionFailed(run_id, f"run {run_id} already {status}: nothing to cancel")
 
@@ -426,7 +427,7 @@ def pause_task(
     if cancel_running:
         message += (
             f"; cancel requested for {asked} running run{'' if asked == 1 else 's'}: each stops "
-            "within one heartbeat and ends cancelled"
+            "within one heartbeat and ends cancelled, unless its body completes first"
             if asked
             else "; no running run to cancel"
         )

@@ -559,15 +559,22 @@ def check_task_options(task_name: str, options: list[str], known: set[str]) -> N
         ImproperlyConfigured: naming the task and the option, with the close match.
     """
     unknown: list[tuple[str, str]] = []
+    app_only: list[str] = []
     for option in options:
         if not option.startswith("lease_") or option in SETTING_NAMES or option in known:
             continue
+        if option in APP_SETTING_NAMES:
+            app_only.append(option)
+            continue
         close = difflib.get_close_matches(option, SETTING_NAMES, n=1)
         unknown.append((option, close[0] if close else ""))
+    problems = [
+        f"{option} is an app setting (app.conf.{option}), not a task option" for option in app_only
+    ]
     if unknown:
-        raise ImproperlyConfigured(
-            f"task {task_name}: " + _unknown_message("unknown option", unknown)
-        )
+        problems.append(_unknown_message("unknown option", unknown))
+    if problems:
+        raise ImproperlyConfigured(f"task {task_name}: " + "; ".join(problems))
 
 
 def _unknown_message(what: str, names: list[tuple[str, str]]) -> str:

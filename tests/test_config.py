@@ -210,6 +210,25 @@ def test_unknown_task_option_is_refused_at_worker_start(tmp_path: Any) -> None:
         _check_worker_startup(app, "prefork")
 
 
+def test_an_app_setting_given_as_a_task_option_is_named_as_such(tmp_path: Any) -> None:
+    """``lease_retention=5`` on a task: refused as an app setting, not as a misspelling of
+    some task option ("did you mean lease_retry_errors?", before)."""
+    from celery_lease.worker import _check_worker_startup
+
+    app = Celery("appopt", set_as_current=False, broker="memory://")
+    app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
+
+    @app.task(base=LeasedTask, bind=True, shared=False, lease_retention=5)
+    def charge(self: LeasedTask) -> None:
+        return None
+
+    with pytest.raises(ImproperlyConfigured) as err:
+        _check_worker_startup(app, "prefork")
+    message = str(err.value)
+    assert "lease_retention is an app setting (app.conf.lease_retention)" in message
+    assert "did you mean" not in message
+
+
 def test_every_unknown_task_option_is_reported_in_one_line(tmp_path: Any) -> None:
     """Two misspelled task options: both named in one line, with their close matches."""
     from celery_lease.worker import _check_worker_startup

@@ -578,7 +578,7 @@ ACTIONS: dict[str, Action] = {
             "cancel",
             "Cancel",
             "Cancel this run? A queued or retrying run ends cancelled at once; a running "
-            "run stops within one heartbeat.",
+            "run stops within one heartbeat, unless its body completes first.",
             lambda run: not run.terminal,
             cancel_run,
             "Yes, cancel the run",
