@@ -206,6 +206,31 @@ def test_show_of_a_finished_run_shows_its_outcome_not_mid_way_progress(
     assert progress("live").startswith("37/50 (74%) orders  (written ")
 
 
+def test_show_gives_the_runs_recovery_history(cli: Cli, store: LeaseStore) -> None:
+    """`lease show` (text and --json) counts the takeovers of an expired lease and the
+    sweeper's publishes, with the last time of each, as the web view's run page does."""
+    claim(store, "run-t")
+    assert "takeovers" in cli.ok("show", "run-t")
+    store.expire("run-t")
+    taken = store.claim(
+        "run-t",
+        "host-b:4243:bsecret",
+        task_name="cli_app.charge",
+        lease_ms=60_000,
+        max_attempts=3,
+        payload=PAYLOAD,
+        payload_content_type="application/json",
+    )
+    assert taken.outcome == "claimed" and taken.attempt == 2
+    shown = dict(
+        line.split(None, 1) for line in cli.ok("show", "run-t").splitlines() if " " in line
+    )
+    assert shown["takeovers"].strip() == "1" and shown["republishes"].strip() == "0"
+    assert shown["taken_over_at"].strip() != "-" and shown["republished_at"].strip() == "-"
+    data = json.loads(cli.ok("show", "run-t", "--json"))
+    assert data["takeovers"] == 1 and data["taken_over_at"] is not None
+
+
 def test_show_unknown_run_is_one_line_error(cli: Cli, store: LeaseStore) -> None:
     """An unknown run id ends with one stderr line and exit status 1."""
     assert_one_line_error(cli("show", "no-such-run"), "no run with id 'no-such-run'")

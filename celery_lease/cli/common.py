@@ -64,6 +64,12 @@ RECORD_FIELDS = (
     "payload_content_type",
     "created_at",
     "updated_at",
+    # The run's recovery history (never reset): takeovers of an expired lease by a
+    # claim, and the sweeper's publishes of it, each with the last time.
+    "takeovers",
+    "taken_over_at",
+    "republishes",
+    "republished_at",
     "trace_context",
 )
 TIME_FIELDS = frozenset(
@@ -76,6 +82,8 @@ TIME_FIELDS = frozenset(
         "finished_at",
         "created_at",
         "updated_at",
+        "taken_over_at",
+        "republished_at",
     }
 )
 
