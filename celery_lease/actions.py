@@ -443,11 +443,18 @@ def resume_task(
     kept, in the order they came (:func:`celery_lease.resume`)."""
     if not task_name:
         raise ActionFailed("", "name the task to resume")
+    was_paused = any(
+        p.task_name == task_name and (p.key or None) == (key or None)
+        for p in store.flow.list_pauses()
+    )
     sent = flow.resume(app, task_name, key, store=store)
     what = task_name + ("" if key is None else f" (key {key})")
-    return ActionResult(
-        "",
-        "resumed",
-        f"resumed {what}: {sent} held deliver{'y' if sent == 1 else 'ies'} published in the "
-        "order they came",
-    )
+    published = f"{sent} held deliver{'y' if sent == 1 else 'ies'} published in the order they came"
+    if not was_paused:
+        # Still published: deliveries a resume that died halfway left held.
+        return ActionResult(
+            "",
+            "resumed",
+            f"{what} was not paused" + (f"; {published}" if sent else ": nothing to resume"),
+        )
+    return ActionResult("", "resumed", f"resumed {what}: {published}")

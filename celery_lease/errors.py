@@ -53,7 +53,9 @@ class LeaseBusy(LeaseError):
         self.run_id = run_id
         self.retry_in = retry_in
         self.reason = reason
-        super().__init__(f"{self.code}: run {run_id}: {reason} (retry in {retry_in:.1f}s)")
+        # No hint where there is no wait to give (a pause lasts until its resume).
+        hint = f" (retry in {retry_in:.1f}s)" if retry_in > 0 else ""
+        super().__init__(f"{self.code}: run {run_id}: {reason}{hint}")
 
     def __reduce__(self) -> tuple[type[LeaseBusy], tuple[str, float, str]]:
         return (type(self), (self.run_id, self.retry_in, self.reason))

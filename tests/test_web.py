@@ -516,6 +516,11 @@ def test_pause_and_resume_a_runs_task_from_the_web(lease_db: tuple[str, Any]) ->
         )
         assert again.status_code == 200 and "resumed shop.charge: 0 held deliveries" in again.text
         assert store.flow.list_pauses() == []
+        # Resuming what is not paused says so (it used to read "resumed ...: 0 held").
+        twice = c.post(
+            "/action", data={"csrf": csrf, "action": "resume", "id": "r1", "token": TOKEN}
+        )
+        assert twice.status_code == 200 and "shop.charge was not paused" in twice.text
     finally:
         store.dispose()
 
