@@ -443,11 +443,7 @@ def resume_task(
     kept, in the order they came (:func:`celery_lease.resume`)."""
     if not task_name:
         raise ActionFailed("", "name the task to resume")
-    was_paused = any(
-        p.task_name == task_name and (p.key or None) == (key or None)
-        for p in store.flow.list_pauses()
-    )
-    sent = flow.resume(app, task_name, key, store=store)
+    was_paused, sent = flow.lift(app, task_name, key, store=store)
     what = task_name + ("" if key is None else f" (key {key})")
     published = f"{sent} held deliver{'y' if sent == 1 else 'ies'} published in the order they came"
     if not was_paused:

@@ -146,8 +146,17 @@ def resume(
     Deliveries still held by another pause (the whole task, or another key) stay held.
     A resume that dies halfway loses nothing: the sweeper publishes the rest.
     """
+    return lift(app, task_name, key, store=store)[1]
+
+
+def lift(
+    app: Celery, task_name: str, key: str | None = None, *, store: LeaseStore | None = None
+) -> tuple[bool, int]:
+    """:func:`resume`, saying also whether ``task_name`` (its ``key``) was paused at all:
+    ``(was_paused, published)``. Held deliveries are published either way (a resume that
+    died halfway may have left some)."""
     store = store or store_of(app, task_name)
-    store.flow.resume(task_name, key)
+    was_paused = store.flow.resume(task_name, key)
     sent = len(release(app, store, task_name=task_name, key=key))
     app_runtime(app).events.emit(
         Event.FLOW_RESUMED,
@@ -160,7 +169,7 @@ def resume(
         key=key,
         published=sent,
     )
-    return sent
+    return was_paused, sent
 
 
 def release(
