@@ -60,17 +60,19 @@ def scratch_database(admin_url: str, prefix: str = "cl_") -> Iterator[str]:
 
 
 def plain_engine(url: str) -> Any:
-    """An application's own engine on ``url``, safe behind a transaction pooler.
+    """An application's own engine on ``url``, safe behind a transaction pooler and across
+    a server restart, as docs/deployment.md advises.
 
     psycopg prepares a statement after its fifth run; behind PgBouncer in
     transaction mode that prepared name is missing on the next server
     connection. Any engine of your own there needs ``prepare_threshold=None``.
+    ``pool_pre_ping`` replaces a pooled connection the server dropped.
     """
     from sqlalchemy import create_engine
 
     if url.startswith("postgresql+psycopg:"):
-        return create_engine(url, connect_args={"prepare_threshold": None})
-    return create_engine(url)
+        return create_engine(url, connect_args={"prepare_threshold": None}, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True)
 
 
 @contextlib.contextmanager

@@ -26,10 +26,11 @@ write (the helpers below are what two of them share).
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -353,6 +354,11 @@ class Database(abc.ABC):
     def lock_wait_ended(self, exc: sa_exc.DBAPIError) -> bool:
         """True when the statement gave up waiting for a row lock (the bounded lock wait)."""
 
+    @abc.abstractmethod
+    def begin_live(self, engine: Engine) -> AbstractContextManager[Connection]:
+        """``engine.begin()`` for a caller's own block (``lease.transaction()``), on a
+        connection known to be live before the block runs."""
+
     # -- statements ------------------------------------------------------------
 
     @abc.abstractmethod
@@ -437,6 +443,33 @@ class Database(abc.ABC):
 
 
 # -- what two database classes share ---------------------------------------------
+
+
+@contextlib.contextmanager
+def begin_pinged(engine: Engine) -> Iterator[Connection]:
+    """``engine.begin()``, the transaction's first round trip a ``SELECT 1``.
+
+    A pooled connection the server dropped (a restart, a failover, an idle timeout)
+    fails there, before the caller's block has run anything on it: SQLAlchemy then
+    invalidates it and the pool's older connections, and the block gets a new one.
+    One more round trip per transaction; what it saves is a body run again because
+    its commit found a dead connection (the block cannot be replayed).
+    """
+    conn = engine.connect()
+    try:
+        trans = conn.begin()
+        try:
+            conn.exec_driver_sql("SELECT 1")
+        except sa_exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            conn.close()
+            conn = engine.connect()
+            trans = conn.begin()
+        with trans:
+            yield conn
+    finally:
+        conn.close()
 
 
 class UpsertClaim:

@@ -103,6 +103,11 @@ class Engines:
         """A connection inside one transaction, committed when the block ends without error."""
         return self.engine.begin()
 
+    def begin_live(self) -> AbstractContextManager[Connection]:
+        """:meth:`begin` for a caller's own block: on a connection known to be live
+        (``Database.begin_live``), since the block cannot be replayed on another."""
+        return self.database.begin_live(self.engine)
+
     def driver(self, statement: Any, *, returns_row: bool) -> DriverStatement | None:
         """``statement`` compiled once to run at the driver level, where the single-statement
         engine allows it (else None: run it through SQLAlchemy)."""

@@ -716,8 +716,17 @@ class LeaseStore:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:
-        """A connection to the lease database inside a transaction, committed on success."""
-        with self.db.begin() as conn:
+        """A connection to the lease database inside a transaction, committed on success.
+
+        The connection is proved live first (``Engines.begin_live``): after a
+        database restart the caller's block, which cannot be replayed, never meets a
+        dropped pooled connection. Errors there are :class:`LeaseDatabaseError`.
+        """
+        with contextlib.ExitStack() as stack:
+            try:
+                conn = stack.enter_context(self.db.begin_live())
+            except SQLAlchemyError as exc:
+                raise self.db.database.wrap(exc, self.db.dialect) from exc
             yield conn
 
     def _guarded_update(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy
@@ -42,6 +42,7 @@ from .database import (
     MigrationLockTimeout,
     OnlineDDL,
     add_column_sql,
+    begin_pinged,
     permanent,
     retry_ddl,
     server_engines,
@@ -259,6 +260,11 @@ class MySQL(Database):
         """Error 1205: ``innodb_lock_wait_timeout`` ended the wait."""
         args: tuple[Any, ...] = getattr(exc.orig, "args", ())
         return bool(args) and args[0] == 1205
+
+    def begin_live(self, engine: Engine) -> AbstractContextManager[Connection]:
+        """A ``SELECT 1`` first: a connection the server dropped is replaced (see
+        :func:`~celery_lease.store.database.begin_pinged`)."""
+        return begin_pinged(engine)
 
     def insert(self, table: Table) -> Any:
         """The plain ``INSERT`` (no ``ON CONFLICT`` here)."""

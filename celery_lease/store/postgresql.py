@@ -9,7 +9,7 @@ import re
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy
@@ -43,6 +43,7 @@ from .database import (
     MigrationLockTimeout,
     OnlineDDL,
     UpsertClaim,
+    begin_pinged,
     own_transactions,
     permanent,
     retry_ddl,
@@ -229,6 +230,11 @@ class PostgreSQL(Database):
         """``lock_not_available`` (SQLSTATE 55P03): ``lock_timeout`` ended the wait."""
         orig = exc.orig
         return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) == "55P03"
+
+    def begin_live(self, engine: Engine) -> AbstractContextManager[Connection]:
+        """A ``SELECT 1`` first: a connection the server dropped is replaced (see
+        :func:`~celery_lease.store.database.begin_pinged`)."""
+        return begin_pinged(engine)
 
     def insert(self, table: Table) -> Any:
         """PostgreSQL's ``INSERT``, with ``ON CONFLICT``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
@@ -156,6 +156,10 @@ class SQLite(Database):
     def lock_wait_ended(self, exc: sa_exc.DBAPIError) -> bool:
         """Never: no row locks here; a busy database ends in ``database is locked``."""
         return False
+
+    def begin_live(self, engine: Engine) -> AbstractContextManager[Connection]:
+        """``engine.begin()``: a file's connection does not die under the caller."""
+        return engine.begin()
 
     def insert(self, table: Table) -> Any:
         """SQLite's ``INSERT``, with ``ON CONFLICT``."""

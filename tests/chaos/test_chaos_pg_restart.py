@@ -110,3 +110,27 @@ def test_postgres_restart_mid_batch(
     assert all(w.proc.poll() is None for w in workers), "a worker died"
     history = check(cluster, run_ids)
     report(capsys, "pg-restart", history)
+
+
+@ON_PG
+@pytest.mark.timeout(180)
+def test_a_restart_between_tasks_costs_no_attempt_of_a_fenced_transaction(
+    cluster: Cluster, own_postgres: tuple[str, Path, str]
+) -> None:
+    """The documented commit (``with self.lease.transaction() as conn: fence(conn)``) after a
+    restart the worker slept through: the transaction's pooled connection is dead, and is
+    replaced before the body's block runs, so the body runs once, on attempt 1."""
+    _, data, bin_dir = own_postgres
+    cluster.start("w", conf=CONF, concurrency=1, CL_LEASE_SECONDS="5")
+    # Warm the pool child's connections, the transaction engine's included.
+    warm = cluster.send("workerapp.resumable", 1, 1, 0.0, "fenced")
+    wait_for(lambda: cluster.status(warm) == "succeeded", 30, what="the warm-up run")
+    _as_postgres(f"'{bin_dir}/pg_ctl' -D '{data}' -l '{data}/restart.log' -w -m fast restart")
+    cluster.store.dispose()
+    cluster.engine.dispose()
+    run_id = cluster.send("workerapp.resumable", 1, 1, 0.0, "fenced")
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="the run after the restart")
+    kinds = [e.kind for e in cluster.effects(run_id)]
+    assert kinds == ["resume:0:0", "item:0"], kinds  # no second start of the body
+    row = cluster.store.get(run_id)
+    assert row is not None and row.attempt == 1, row
