@@ -216,3 +216,39 @@ def test_celery_retry_refused_by_the_broker_is_kept_for_the_sweeper(
         assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
     finally:
         cluster.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_whose_retry_the_broker_refuses_is_no_lost_lease(
+    pg_url: str,
+    private_redis: PrivateRedis,
+    tmp_path: Path,
+    workers: list[Worker],
+) -> None:
+    """The body raises; the run is recorded ``retrying`` and its retry's publish is refused
+    for a few seconds. The worker still holds the lease object meanwhile, but the run is no
+    longer its own to renew: the heartbeat's refusals are the recorded failure's doing, not
+    a lost lease (no ``held -> lost`` line, nothing for ``lease_lost_total``)."""
+    cluster = Cluster(pg_url, {"CL_BROKER_URL": private_redis.url}, tmp_path, workers)
+    try:
+        gate = tmp_path / "gate"
+        gate.mkdir()
+        worker = cluster.start(
+            "w1",
+            conf=CONF,
+            concurrency=1,
+            CL_LEASE_SECONDS="2",
+            CL_HEARTBEAT="0.5",
+            CL_PUBLISH_GATE=str(gate),
+        )
+        (gate / "armed").touch()
+        run_id = cluster.send("boom")
+        wait_for((gate / "reached").exists, 30, what="the failure's retry publish")
+        private_redis.stop()
+        (gate / "go").touch()
+        wait_for(lambda: "kept in the lease database" in worker.log(), 30, what="the kept retry")
+        row = cluster.store.get(run_id)
+        assert row is not None and row.status == "retrying", row
+        assert "-> lost" not in worker.log()
+    finally:
+        cluster.close()

@@ -254,6 +254,7 @@ class Lease:
         # COMPLETING / COMPLETED bookkeeping.
         self._fenced_at: float | None = None  # when fence(complete=True) wrote success
         self._verified = False  # the database confirmed this owner's success
+        self._ending = False  # the holder is writing the run's end itself (see ending())
         self._hooks: list[tuple[Connection, str, Callable[..., None]]] = []
         self._interrupter = Interrupter(run_id, clock)
         # The latest saved checkpoint (JSON text): the claim's, then this attempt's.
@@ -649,6 +650,15 @@ class Lease:
         self._publish(transition)
         return True
 
+    def ending(self) -> None:
+        """The holder is about to write the run's end itself (a recorded failure or retry,
+        an end the body chose, a release): from here on the row stops being this lease's
+        to renew, so a refused renewal or a passed local deadline is that write's doing,
+        not a loss. A refusal of the write itself still reports the loss (:meth:`mark_lost`).
+        """
+        with self._lock:
+            self._ending = True
+
     # -- what the heartbeat and the watchdog report --------------------------------
 
     def renewed(
@@ -694,9 +704,10 @@ class Lease:
             state = self._state
             if state is LeaseState.COMPLETED:
                 verify = not self._verified
-            elif state in _DEADLINE_APPLIES:
+            elif state in _DEADLINE_APPLIES and not self._ending:
                 transition = self._lose_locked(reason)
-            # COMPLETING: the open transaction that completes the run decides.
+            # COMPLETING: the open transaction that completes the run decides; ending:
+            # the holder's own write.
         self._publish(transition)
         if verify:
             self._verify_completion()
@@ -710,7 +721,7 @@ class Lease:
         now = self._clock() if now is None else now
         transition = None
         with self._lock:
-            if self._state in _DEADLINE_APPLIES and now >= self._deadline:
+            if self._state in _DEADLINE_APPLIES and not self._ending and now >= self._deadline:
                 transition = self._lose_locked(
                     f"{DEADLINE_PASSED}: no renewal confirmed within "
                     f"{self.lease_seconds - self.margin:.3g}s (heartbeat stalled or "

@@ -471,6 +471,7 @@ class Attempt:
         message = None
         if exc.sig is not None and not self.direct:
             message = self.delivery.encode(dict(exc.sig))
+        lease.ending()
         try:
             self.delivery.store.fail(
                 lease.run_id,
@@ -556,6 +557,7 @@ class Attempt:
         if self.direct or usage or not config.retry_errors:
             spent = True
         retry_in = None if spent else republish.backoff_delay(config, failures)
+        lease.ending()
         try:
             status = self.delivery.store.fail(
                 lease.run_id,
@@ -597,6 +599,7 @@ class Attempt:
         raise Retry(exc=exc, when=retry_in)
 
     def _release_quietly(self, lease: Lease) -> None:
+        lease.ending()
         try:
             self.delivery.store.release(lease.run_id, lease.owner, lease.attempt)
         except LeaseError as exc:
@@ -616,6 +619,7 @@ class Attempt:
         Database errors are retried as the completion's are: a run that chose to end
         must not be left for the sweeper to run again after one lock timeout.
         """
+        lease.ending()
         try:
             self._write(
                 lambda: self.delivery.store.end(
