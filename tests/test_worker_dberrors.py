@@ -262,3 +262,18 @@ def test_a_database_outage_logs_the_sweeper_leadership_once_not_each_second(
     ]
     assert len(warnings) == 1, warnings
     assert "repeats are logged at DEBUG" in warnings[0]
+
+
+@pytest.mark.timeout(90)
+def test_a_transaction_idle_around_the_callers_work_is_not_cut(pg_redis: Cluster) -> None:
+    """``lease_seconds = 3``: the client bound is 1 s. A body holds its lease transaction
+    open for 2 s of its own work between two statements (a provider call), then fences
+    and commits. Nothing waited for the server past the bound, so the watchdog cuts
+    nothing: attempt 1 commits (before: the idle connection was cut, the commit failed
+    with OperationalError and the body ran again)."""
+    worker = pg_redis.start("w1", concurrency=1, CL_LEASE_SECONDS="3", CL_HEARTBEAT="1")
+    run_id = pg_redis.send("slow_commit", 2.0)
+    wait_for(lambda: pg_redis.status(run_id) in {"succeeded", "failed"}, 60, what="the run")
+    assert pg_redis.status(run_id) == "succeeded", worker.log()
+    assert [e.attempt for e in pg_redis.effects(run_id, "commit")] == [1]
+    assert "connection cut" not in worker.log()

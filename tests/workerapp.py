@@ -578,6 +578,29 @@ def complete_then_raise(self: LeasedTask) -> None:
     raise RuntimeError("raised after the run was recorded succeeded")
 
 
+@app.task(base=LeasedTask, bind=True, name="workerapp.fenced_then_slow")
+def fenced_then_slow(self: LeasedTask, seconds: float) -> str:
+    """Commit an effect and the run's success in one fenced transaction, then work on for
+    ``seconds``: Celery stores the result that long after the run's row says succeeded."""
+    with self.lease.transaction() as conn:
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    time.sleep(seconds)
+    return "done"
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.slow_commit")
+def slow_commit(self: LeasedTask, seconds: float) -> str:
+    """The README's payment shape: a transaction on the lease database held open around
+    ``seconds`` of the caller's own work (a provider call), then fenced and committed."""
+    with self.lease.transaction() as conn:
+        record(self.lease.run_id, self.lease.attempt, "start", conn)
+        time.sleep(seconds)
+        self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    return "committed"
+
+
 @app.task(base=LeasedTask, bind=True, name="workerapp.boom")
 def boom(self: LeasedTask) -> None:
     """Always fails (for link_error and time-limit rows)."""

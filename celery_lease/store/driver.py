@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Engine, event
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import ConnectionPoolEntry
 
@@ -31,6 +31,13 @@ class _ClientWatchdog:
     blocked call fails at once with a disconnect error and SQLAlchemy discards
     the connection. The file descriptor is not closed here, so it cannot be
     reused under the driver's feet.
+
+    Only waits for the server count: a connection is armed from its check-out
+    (the hot path's statements run there, below SQLAlchemy) and around each
+    statement, commit and rollback SQLAlchemy runs on it, and disarmed after
+    each statement and at check-in. A caller's transaction left idle between
+    its statements (``lease.transaction()`` around a provider call) is the
+    caller's time, never cut.
     """
 
     def __init__(self, bound: float) -> None:
@@ -40,10 +47,15 @@ class _ClientWatchdog:
         self._armed: dict[int, tuple[float, int]] = {}
 
     def install(self, engine: Engine) -> None:
-        """Arm at every pool check-out, disarm at check-in and invalidation."""
+        """Arm at every pool check-out and before each statement, commit and rollback;
+        disarm after each statement, at check-in and at invalidation."""
         event.listen(engine.pool, "checkout", self._arm)
         event.listen(engine.pool, "checkin", self._disarm)
         event.listen(engine.pool, "invalidate", self._disarm_invalid)
+        event.listen(engine, "before_cursor_execute", self._arm_statement)
+        event.listen(engine, "after_cursor_execute", self._disarm_statement)
+        event.listen(engine, "commit", self._arm_connection)
+        event.listen(engine, "rollback", self._arm_connection)
 
     @contextlib.contextmanager
     def guard(self, dbapi_connection: Any) -> Iterator[None]:
@@ -55,10 +67,24 @@ class _ClientWatchdog:
             self._disarm_key(id(dbapi_connection))
 
     def _arm(self, dbapi_connection: Any, record: ConnectionPoolEntry, proxy: Any) -> None:
-        self._arm_key(id(record), dbapi_connection)
+        self._arm_key(id(dbapi_connection), dbapi_connection)
 
     def _disarm(self, dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
-        self._disarm_key(id(record))
+        if dbapi_connection is not None:
+            self._disarm_key(id(dbapi_connection))
+
+    def _arm_connection(self, conn: Connection) -> None:
+        dbapi_connection = conn.connection.dbapi_connection
+        if dbapi_connection is not None:
+            self._arm_key(id(dbapi_connection), dbapi_connection)
+
+    def _arm_statement(self, conn: Connection, *args: Any) -> None:
+        self._arm_connection(conn)
+
+    def _disarm_statement(self, conn: Connection, *args: Any) -> None:
+        dbapi_connection = conn.connection.dbapi_connection
+        if dbapi_connection is not None:
+            self._disarm_key(id(dbapi_connection))
 
     def _arm_key(self, key: int, dbapi_connection: Any) -> None:
         try:
