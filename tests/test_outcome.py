@@ -352,3 +352,35 @@ def test_chord_member_too_large_to_keep_fails_its_chord_after_a_crash_on_redis(
     assert body.state == "FAILURE"
     assert len(cluster.effects(member.id, "start")) == 1
     assert not cluster.effects(tag, "fired")
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(120)
+def test_a_redelivery_while_the_owner_returns_a_fenced_success_reports_nothing(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The body commits its success with ``fence(complete=True)`` and returns 4 s later;
+    2.5 s after the commit a second delivery of its message arrives (a broker's
+    redelivery) and finds the row succeeded with no result kept, and nothing in Celery.
+    Its owner is alive and about to store the result: the redelivery looks again later
+    instead of storing FAILURE(RunFailed result_not_kept) and firing ``link_error``
+    (before: it did, 2 s after the row's end time). The caller gets the body's result."""
+    folder = Path(cluster.env["CL_FS_DIR"])
+    stash = tmp_path / "stash"
+    stash.mkdir()
+    sent_result = sig(cluster, "fenced_then_slow", 4.0).apply_async()
+    wait_for(lambda: _messages(folder, "workerapp.fenced_then_slow"), 10, what="the message")
+    (sent,) = _messages(folder, "workerapp.fenced_then_slow")
+    copy = f"{sent.name.split('_', 1)[0]}9_copy.{cluster.queue}.msg"
+    shutil.copy(sent, stash / copy)
+    worker = cluster.start("w1", concurrency=2)
+    run_id = sent_result.id
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the fenced commit")
+    time.sleep(2.5)  # past the old 2 s grace, well before the body returns
+    (stash / copy).rename(folder / copy)
+    assert sent_result.get(timeout=30) == "done"
+    wait_for(lambda: "delivery dropped" in worker.log(), 10, what="the redelivery")
+    time.sleep(1.0)  # what the redelivery does next
+    assert "reporting RunFailed" not in worker.log()
+    assert result(cluster, run_id).state == "SUCCESS"
+    assert len(cluster.effects(run_id, "commit")) == 1

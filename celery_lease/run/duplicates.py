@@ -25,9 +25,13 @@ logger = logging.getLogger(__name__)
 #: stored by Celery (or a redelivery waits before replaying it) before it gives up.
 RESULT_WAIT_TRIES = 8
 
-#: A redelivery of the run's own succeeded delivery within this many seconds of
-#: the run's end waits before replaying it: the worker that ran it may still be
-#: storing the result (Celery stores it just after the lease commit).
+#: A redelivery of the run's own succeeded delivery waits before replaying it (or
+#: reporting that it cannot) until the run ended ``lease_seconds`` ago, and at least
+#: this long: the worker that ran it may still be storing the result. Celery stores it
+#: just after the lease commit, but the row's end time is its completion statement's,
+#: and ``fence(complete=True)`` runs inside the body's transaction, which may commit
+#: (and the body return) well after it. A live worker gets one lease period to store
+#: its result, as a dead one gets one lease period before its run is taken over.
 REPLAY_GRACE_SECONDS = 2.0
 
 
@@ -108,19 +112,21 @@ def _replay_row(delivery: Delivery, claim: ClaimResult) -> Any:
     """The row's kept result for the run's own task id, or RunFailed saying why there is none."""
     own_id = delivery.request.id
     found = _row_outcome(delivery, claim.run_id)
-    if (
-        found is not None
-        and delivery.request.retries < RESULT_WAIT_TRIES
-        and _ended_within(delivery, found, REPLAY_GRACE_SECONDS)
-    ):
-        # The run has just ended: the worker that ran it may be storing the
-        # result right now (a redelivery racing it). Look again shortly.
-        reschedule(delivery, REPLAY_GRACE_SECONDS / 2, Ignore())
+    if found is not None and delivery.request.retries < RESULT_WAIT_TRIES:
+        grace = max(REPLAY_GRACE_SECONDS, delivery.config.lease_seconds)
+        left = _grace_left(delivery, found, grace)
+        if left > 0:
+            # The run ended lately: the worker that ran it may be storing the
+            # result right now (a redelivery racing it). Look again after that.
+            reschedule(delivery, max(left, REPLAY_GRACE_SECONDS / 2), Ignore())
     if not _asked(delivery):
         raise Ignore()  # nobody can ask for the result: nothing to resolve
     if found is None or not found.has_result():
         raise _not_replayed(
-            claim, "result_not_kept", "it was not kept (over 64 KiB, or not serializable)"
+            claim,
+            "result_not_kept",
+            "it was not kept (recorded by fence(complete=True) before the body returned it, "
+            "over 64 KiB, or not serializable)",
         )
     if _expired(delivery, found):
         raise _not_replayed(claim, "result_expired", "it was kept longer ago than result_expires")
@@ -163,15 +169,16 @@ def _expired(delivery: Delivery, found: Outcome) -> bool:
     return result_expired(delivery.task.app, found.record, now)
 
 
-def _ended_within(delivery: Delivery, found: Outcome, seconds: float) -> bool:
-    """True when the run ended less than ``seconds`` ago (database clock)."""
+def _grace_left(delivery: Delivery, found: Outcome, seconds: float) -> float:
+    """How long until the run ended ``seconds`` ago (database clock); 0 once it has."""
     ended = found.record.finished_at or found.record.updated_at
     if ended is None:
-        return False
+        return 0.0
     try:
-        return bool(delivery.runtime.store.now_ms() - ended < seconds * 1000)
+        now = delivery.runtime.store.now_ms()
     except LeaseDatabaseError:
-        return True
+        return seconds
+    return max(0.0, (ended + seconds * 1000 - now) / 1000)
 
 
 def _row_outcome(delivery: Delivery, run_id: str) -> Outcome | None:
