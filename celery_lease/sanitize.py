@@ -1,14 +1,78 @@
-"""Redaction of credentials in error text and URLs before they are stored or logged."""
+"""Redaction of credentials and card numbers in error text and URLs before storing or logging."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 MAX_ERROR_LENGTH = 2000
 REDACTED = "***"
 
-_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+# A number of 13+ digits, optionally grouped by single spaces or hyphens, not
+# glued to a word before it nor the fraction of a decimal (0.30000000000000004).
+_DIGIT_RUN = re.compile(r"(?<!\w)(?<![0-9]\.)(?=(?:[0-9][ -]?){13})[0-9]+(?:[ -][0-9]+)*")
+_SEPARATOR = re.compile(r"([ -])")
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _luhn_ok(digits: str) -> bool:
+    """Whether ``digits`` passes the Luhn checksum of payment card numbers."""
+    total = 0
+    for index, char in enumerate(reversed(digits)):
+        value = ord(char) - 48
+        if index % 2:
+            value = value * 2 - 9 if value > 4 else value * 2
+        total += value
+    return total % 10 == 0
+
+
+def _card_end(groups: list[str], start: int) -> int:
+    """Index of the last group of the longest card number starting at ``groups[start]``, or -1.
+
+    A card is one group of 13 to 19 digits, or consecutive groups of 3 to 6
+    digits (``4242 4242 4242 4242``, ``3782 822463 10005``) totalling 13 to 19;
+    either way it passes Luhn.
+    """
+    digits = groups[start]
+    if len(digits) > 6:
+        return start if len(digits) <= 19 and _luhn_ok(digits) else -1
+    end = -1
+    if len(digits) >= 3:
+        for last in range(start + 1, len(groups)):
+            if not 3 <= len(groups[last]) <= 6:
+                break
+            digits += groups[last]
+            if len(digits) > 19:
+                break
+            if len(digits) >= 13 and _luhn_ok(digits):
+                end = last
+    return end
+
+
+def _mask_cards(match: re.Match[str]) -> str:
+    """The digit run with each card number in it shown as ``***`` and its last four digits.
+
+    Every window of groups is tried, not only the whole run, so a card followed by
+    other numbers (``4242 4242 4242 4242 12 26``) is caught.
+    """
+    parts = _SEPARATOR.split(match[0])  # group, separator, group, ...
+    groups = parts[::2]
+    if _WORD_CHAR.match(match.string, match.end()):
+        groups.pop()  # the last group starts a word (``...4242abc``): not a number
+    index = 0
+    while index < len(groups):
+        end = _card_end(groups, index)
+        if end < 0:
+            index += 1
+            continue
+        digits = "".join(groups[index : end + 1])
+        parts[2 * index : 2 * end + 1] = [REDACTED + digits[-4:]] + [""] * (2 * (end - index))
+        index = end + 1
+    return "".join(parts)
+
+
+_PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
     # scheme://user:password@host -> scheme://user:***@host. The password runs
     # to the last "@" of the URL, so one containing "@", ":" or "/" is hidden
     # whole (a stray "@" later in the URL over-redacts, which is the safe side).
@@ -32,6 +96,13 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         ),
         rf"\g<pre>{REDACTED}",
     ),
+    # cvc 123, cvv=1234, "card_cvc": "123"
+    (
+        re.compile(r"(?i)(?P<pre>\b[\w\-]*(?:cvc|cvv)[\w\-]*['\"]?\s*[=:]?\s*['\"]?)[0-9]{3,4}\b"),
+        rf"\g<pre>{REDACTED}",
+    ),
+    # Card numbers last, so a labelled one (token=...) is hidden whole above.
+    (_DIGIT_RUN, _mask_cards),
 )
 
 

@@ -112,6 +112,17 @@ def test_migrate_creates_schema_then_is_idempotent(cli: Cli) -> None:
     store.dispose()
 
 
+def test_migrate_to_a_revision_not_shipped_is_one_line(cli: Cli) -> None:
+    """`lease migrate --revision 9999` names the revisions this version ships, in one line
+    (it printed Alembic's traceback), and touches nothing; an older revision than the
+    database's says it is past it (it said "already at revision" the newer one)."""
+    line = assert_one_line_error(cli("migrate", "--revision", "9999"), "unknown revision '9999'")
+    assert f"head: {head()}" in line
+    assert "(empty) ->" in cli.ok("migrate", "--revision", "0002")
+    assert f"0002 -> {head()}" in cli.ok("migrate")
+    assert f"at revision {head()}, past 0002 already" in cli.ok("migrate", "--revision", "0002")
+
+
 def test_migrate_adopts_table_created_on_first_use(cli: Cli) -> None:
     """`lease migrate` on a table the store auto-created records it instead of crashing."""
     store = LeaseStore.from_url(cli.db_url)

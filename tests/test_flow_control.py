@@ -32,7 +32,14 @@ TWO_SETUPS = pytest.mark.parametrize(
 
 def lease_cli(cluster: Cluster, *args: str) -> str:
     """``celery -A tests.workerapp lease ARGS`` as an operator runs it, on the cluster."""
-    proc = subprocess.run(
+    proc = lease_proc(cluster, *args)
+    assert proc.returncode == 0, f"{args}: {proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def lease_proc(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.workerapp lease ARGS``, whatever it exits with."""
+    return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", *args],
         env={**os.environ, "PYTHONPATH": str(REPO), **cluster.env},
         cwd=cluster.tmp_path,
@@ -41,8 +48,6 @@ def lease_cli(cluster: Cluster, *args: str) -> str:
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 0, f"{args}: {proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def held(store: LeaseStore, reason: str = HELD_PAUSED) -> int:
@@ -428,3 +433,19 @@ def test_each_held_deferred_or_busy_delivery_logs_one_info_line_saying_when_it_r
     cluster.store.expire("busy-info")
     lease_cli(cluster, "resume", "workerapp.work")
     wait_for(lambda: all(cluster.status(i) == "succeeded" for i in paused), 60, what="held runs")
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(90)
+def test_pause_of_a_name_nobody_uses_is_refused_unless_forced(cluster: Cluster) -> None:
+    """`lease pause workerapp.wrok` (a typo in an incident) is refused in one line, and
+    pauses nothing (it said "paused ... on every worker"); a registered task with no run
+    yet pauses; --force pauses any name."""
+    typo = lease_proc(cluster, "pause", "workerapp.wrok")
+    assert typo.returncode == 1, typo
+    assert "no task named 'workerapp.wrok'" in typo.stderr and "Traceback" not in typo.stderr
+    assert "nothing is paused" in lease_cli(cluster, "paused")
+    assert "paused workerapp.work" in lease_cli(cluster, "pause", "workerapp.work")
+    assert "paused workerapp.later" in lease_cli(cluster, "pause", "workerapp.later", "--force")
+    listing = lease_cli(cluster, "paused")
+    assert "workerapp.work" in listing and "workerapp.later" in listing

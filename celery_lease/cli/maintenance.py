@@ -140,6 +140,11 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
             f"{shown}: existing {TABLE_NAME} matches this version; recorded it at revision "
             f"{result.after}"
         )
+    elif result.before == result.after and revision not in ("head", "heads", result.after):
+        click.echo(
+            f"{shown}: at revision {result.after}, past {revision} already "
+            "(migrate never downgrades): nothing to do"
+        )
     elif result.before == result.after:
         click.echo(f"{shown}: already at revision {result.after}")
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import click
@@ -10,6 +11,7 @@ from ..actions import pause_task, resume_task
 from ..display import format_relative
 from .common import (
     _echo_json,
+    _Failure,
     _open_store,
     _operator_errors,
     format_time,
@@ -27,20 +29,48 @@ from .common import (
     is_flag=True,
     help="Also cancel its running runs (as `lease cancel`); else they finish.",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Pause a name this app does not register and no run carries (a task to come).",
+)
 @click.pass_context
 @_operator_errors
 def pause(
-    ctx: click.Context, task_name: str, key: str | None, reason: str | None, cancel_running: bool
+    ctx: click.Context,
+    task_name: str,
+    key: str | None,
+    reason: str | None,
+    cancel_running: bool,
+    force: bool,
 ) -> None:
     """Pause TASK_NAME on every worker: its deliveries are kept, not run, until resume.
 
-    With --cancel-running it says how many running runs it asked to stop.
+    With --cancel-running it says how many running runs it asked to stop. A name
+    the app does not register and no run in the lease database carries is refused
+    (a typo would pause nothing) unless --force.
     """
     store = _open_store(ctx)
+    if not force and not _known_task(ctx.obj.app, store, task_name):
+        raise _Failure(
+            f"no task named {task_name!r}: the app does not register it and no run carries "
+            "it (check the name with `celery -A <app> inspect registered`; --force pauses "
+            "it anyway)"
+        )
     result = pause_task(
         ctx.obj.app, store, task_name, key=key, reason=reason, cancel_running=cancel_running
     )
     click.echo(result.message)
+
+
+def _known_task(app: Any, store: Any, task_name: str) -> bool:
+    """True when ``app`` registers ``task_name`` (its task modules imported, as a worker
+    imports them) or a run in the lease database carries it."""
+    with contextlib.suppress(Exception):  # a module that fails to import: the runs decide
+        app.loader.import_default_modules()
+    if task_name in app.tasks:
+        return True
+    return bool(store.reads.list_runs(task_name=task_name, limit=1))
 
 
 @lease.command()

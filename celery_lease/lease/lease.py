@@ -926,7 +926,9 @@ class Lease:
             if self._state is not LeaseState.COMPLETING:
                 return
             if committed:
-                transition = self._move_locked(LeaseState.COMPLETED, "fenced transaction committed")
+                transition = self._move_locked(
+                    LeaseState.COMPLETED, "fenced transaction commit sent"
+                )
             else:
                 transition = self._roll_back_locked("fenced transaction rolled back")
                 self._interrupter.quiet_for(self.heartbeat_interval)

@@ -24,6 +24,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, create_engine, inspect
 
 from ..errors import LeaseError
@@ -127,6 +128,18 @@ def migration_bounds(
     return MigrationBounds.for_lease(min(known) if known else DEFAULT_LEASE_SECONDS)
 
 
+def _known(revision: str) -> None:
+    """Refuse a ``revision`` this package does not ship, naming the ones it does."""
+    script = ScriptDirectory.from_config(alembic_config())
+    try:
+        script.get_revisions(revision)
+    except CommandError:
+        shipped = ", ".join(sorted(r.revision for r in script.walk_revisions()))
+        raise MigrationError(
+            f"unknown revision {revision!r}: this version ships {shipped} (head: {head()})"
+        ) from None
+
+
 def head() -> str:
     """The newest revision this package ships."""
     revision = ScriptDirectory.from_config(alembic_config()).get_current_head()
@@ -172,6 +185,7 @@ def upgrade(
     module docs); raises :class:`MigrationError` when such a table differs
     from this version's schema. Driver errors propagate as SQLAlchemy errors.
     """
+    _known(revision)
     engine = create_engine(target) if isinstance(target, str) else target
     lock = database_for(engine.dialect.name).migration_lock()
     try:
