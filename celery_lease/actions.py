@@ -108,8 +108,8 @@ def rerun_run(
                 f"these arguments make run {expected!r}, not {run_id!r}: the task's "
                 "lease_key must give the run's own key",
             )
+    config = task.lease_config() if leased else LeaseConfig.from_app(app)
     if attempts is None:
-        config = task.lease_config() if leased else LeaseConfig.from_app(app)
         attempts = config.max_attempts
     # A new task id, linked to the old one by a header: Celery's revoke list may hold
     # the old one (a revoked or expired run), and would cancel the rerun at once.
@@ -125,7 +125,11 @@ def rerun_run(
     except RunNotRerunnable as exc:  # it changed between the read and the update
         refuse_rerun(run_id, exc.status, force)
         raise
-    tries = f"attempts {after.attempt + 1}..{after.max_attempts}"
+    # A claim allows attempts up to the greater of the row's and the task's maximum.
+    last = max(after.max_attempts, config.max_attempts)
+    tries = f"attempts {after.attempt + 1}..{last}"
+    if last > after.max_attempts:
+        tries += f": the task's lease_max_attempts, {config.max_attempts}, is the least it gets"
     if after.checkpoint is not None:
         tries += ", resuming from its checkpoint"
     elif from_scratch:

@@ -515,3 +515,22 @@ def test_bulk_rerun_refuses_bad_input_with_one_line(cli: Cli, store: LeaseStore)
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert needle in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_rerun_says_the_attempts_the_run_will_get(cli: Cli, store: LeaseStore) -> None:
+    """A run failed at attempt 1 of 5 (a permanent error), rerun with --attempts 2: the
+    next claims allow attempts up to the task's lease_max_attempts (5), never fewer, and
+    the command says so (it said "attempts 2..3" while attempt 3/5 then ran)."""
+    attempt = claim(store, "run-p", max_attempts=5)
+    store.fail(
+        "run-p", "host-run-p:4242:run-psecret", attempt, error="x", failure_code="e", retry_in=None
+    )
+    out = cli.ok("rerun", "run-p", "--attempts", "2")
+    assert "attempts 2..5" in out and "lease_max_attempts, 5" in out, out
+    owner = "host-run-p:4242:run-psecret"
+    for n in range(2, 6):
+        assert claim(store, "run-p", max_attempts=5) == n
+        retry_in = None if n == 5 else 0.0
+        store.fail("run-p", owner, n, error="x", failure_code="e", retry_in=retry_in)
+    out = cli.ok("rerun", "run-p", "--attempts", "2")
+    assert "attempts 6..7" in out and "lease_max_attempts" not in out, out
