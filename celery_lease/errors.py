@@ -154,6 +154,19 @@ class LeaseDatabaseError(LeaseError):
     def __str__(self) -> str:
         return f"{self.failure_code}: {self.detail}"
 
+    @property
+    def migrate_hint(self) -> str:
+        """`` (run `lease migrate`?)`` when a migration would fix this (a missing table or
+        column), else nothing: the text to follow a log line's subject."""
+        return (
+            " (run `lease migrate`?)" if self.cause in ("missing_table", "missing_column") else ""
+        )
+
+
+def migrate_hint(exc: BaseException) -> str:
+    """:attr:`LeaseDatabaseError.migrate_hint` of ``exc``, nothing for another error."""
+    return exc.migrate_hint if isinstance(exc, LeaseDatabaseError) else ""
+
 
 class LeaseInputError(LeaseError, ValueError):
     """A value cannot be stored in the run row (too long, too large, out of range).

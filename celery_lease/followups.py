@@ -36,7 +36,7 @@ from celery import Celery
 from celery.canvas import Signature
 from kombu.serialization import dumps
 
-from .errors import LeaseError, LeaseInputError
+from .errors import LeaseError, LeaseInputError, migrate_hint
 from .events import Event, EventLog
 from .lease.keys import followup_task_id
 from .requeue import COPY, MessageNotAccepted, SweepReport, copy_headers, decode_message
@@ -487,9 +487,10 @@ def sweep(app: Celery, store: LeaseStore, report: SweepReport, *, limit: int = 5
                     task_id=task_id,
                 )
     except LeaseError as exc:
-        report.errors.append("followups")
+        report.steps_failed.append(f"follow-ups: {describe_exception(exc)}")
         logger.warning(
-            "celery-lease: could not publish follow-ups (run `lease migrate`?): %s",
+            "celery-lease: could not publish follow-ups%s: %s",
+            migrate_hint(exc),
             describe_exception(exc),
             extra={"lease_event": Event.SWEEP_ERROR},
         )

@@ -28,6 +28,9 @@ class SweepReport:
     failed: list[str] = dataclasses.field(default_factory=list)
     cancelled: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
+    #: Steps besides the runs' recovery that failed, each ``step: error`` (held
+    #: deliveries, follow-ups, retention, the sweep's record); the other steps ran.
+    steps_failed: list[str] = dataclasses.field(default_factory=list)
     #: Finished rows deleted by the retention step, per status.
     purged: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Deliveries held by flow control that the sweep published.

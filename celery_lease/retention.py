@@ -43,6 +43,8 @@ class PurgeReport:
 
     removed: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FINISHED, 0))
     batches: int = 0
+    #: Why the sweeper's retention step stopped (:func:`sweep_retention`), if it did.
+    error: str | None = None
 
     @property
     def total(self) -> int:
@@ -145,6 +147,7 @@ def sweep_retention(
             describe_exception(exc),
             level=logging.WARNING,
         )
+        report.error = describe_exception(exc)
         return report
     if report.total:
         events.emit(

@@ -11,7 +11,7 @@ from typing import Any
 from celery import Celery
 
 from . import followups
-from .errors import LeadershipLost, LeaseError
+from .errors import LeadershipLost, LeaseError, migrate_hint
 from .events import Event
 from .flow import SLOT_KEPT_MS, release
 from .requeue import SweepReport, requeue_all
@@ -123,17 +123,20 @@ def sweep(
         # Retention of recorded rate slots whose delivery never came to take them.
         store.flow.drop_stale_slots(SLOT_KEPT_MS, limit)
     except LeaseError as exc:
+        report.steps_failed.append(f"held deliveries: {describe_exception(exc)}")
         logger.warning(
-            "celery-lease: could not publish held deliveries (run `lease migrate`?): %s",
+            "celery-lease: could not publish held deliveries%s: %s",
+            migrate_hint(exc),
             describe_exception(exc),
             extra={"lease_event": Event.SWEEP_ERROR},
         )
     followups.sweep(app, store, report, limit=limit)
     record_ended(app, store, report.failed + report.cancelled)
     if purge_limit:
-        report.purged.update(
-            sweep_retention(store, config.retention, purge_limit, purge_budget, events).removed
-        )
+        retained = sweep_retention(store, config.retention, purge_limit, purge_budget, events)
+        report.purged.update(retained.removed)
+        if retained.error is not None:
+            report.steps_failed.append(f"retention: {retained.error}")
         expire_results(store, result_format(app).expires_ms, purge_limit, events)
         purge_rates(store, purge_limit, events)
     _record(app, store, name, report, time.monotonic() - started, leader)
@@ -167,9 +170,11 @@ def _record(
     except LeadershipLost:
         raise
     except LeaseError as exc:
+        report.steps_failed.append(f"sweep record: {describe_exception(exc)}")
         logger.warning(
-            "celery-lease: could not record the sweep of %s (run `lease migrate`?): %s",
+            "celery-lease: could not record the sweep of %s%s: %s",
             database,
+            migrate_hint(exc),
             describe_exception(exc),
             extra={"lease_event": Event.SWEEP_RECORD_ERROR},
         )

@@ -15,6 +15,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from celery_lease.migrations import head, upgrade
+from celery_lease.schema import SWEEPS_TABLE_NAME
 from celery_lease.store import LeaseStore
 from tests.helpers import REPO
 
@@ -309,6 +310,25 @@ def test_sweep_recovers_expired_leases_and_reports(cli: Cli, store: LeaseStore) 
     assert any(cli.broker.glob("*.msg")), "the re-enqueued message is on the broker"
     assert "nothing to sweep" in cli.ok("sweep")
     assert json.loads(cli.ok("sweep", "--json"))["requeued"] == []
+
+
+def test_sweep_that_could_not_do_every_step_exits_1(cli: Cli, store: LeaseStore) -> None:
+    """A sweep whose own record fails (its table dropped) still recovers the runs, says
+    which step failed, and exits 1 as the operations page promises (it said "nothing to
+    sweep" and exited 0); the hint to migrate names a missing table only."""
+    claim(store, "run-x")
+    assert store.expire("run-x")
+    with store.engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {SWEEPS_TABLE_NAME}"))
+    proc = cli("sweep")
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "re-enqueued (retrying): 1" in proc.stdout and "  run-x" in proc.stdout
+    assert (
+        "step failed: sweep record: LeaseDatabaseError: lease_db_error:missing_table" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+    data = json.loads(cli("sweep", "--json").stdout)
+    assert [step.split(":")[0] for step in data["steps_failed"]] == ["sweep record"]
 
 
 def test_stats_counts_and_honest_gaps(cli: Cli, store: LeaseStore) -> None:

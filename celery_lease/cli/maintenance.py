@@ -68,6 +68,7 @@ def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
                 "failed": list(report.failed),
                 "cancelled": list(report.cancelled),
                 "errors": list(report.errors),
+                "steps_failed": list(report.steps_failed),
                 "purged": {status: n for status, n in report.purged.items() if n},
                 "error": None,
             }
@@ -80,11 +81,12 @@ def sweep(ctx: click.Context, limit: int, as_json: bool) -> None:
                 total[key].extend(each.get(key, []))
             for status, n in each.get("purged", {}).items():
                 purged[status] = purged.get(status, 0) + n
-        _echo_json({**total, "purged": purged, "databases": reports})
+        steps = [step for each in reports for step in each.get("steps_failed", [])]
+        _echo_json({**total, "purged": purged, "steps_failed": steps, "databases": reports})
     else:
         for each in reports:
             _print_sweep(each, len(reports) > 1)
-    if any(each["error"] or each["errors"] for each in reports):
+    if any(each["error"] or each["errors"] or each.get("steps_failed") for each in reports):
         ctx.exit(1)
 
 
@@ -96,8 +98,10 @@ def _print_sweep(report: dict[str, Any], header: bool) -> None:
         click.echo(f"  could not sweep: {report['error']}", err=True)
         return
     purged = report["purged"]
+    for step in report["steps_failed"]:
+        click.echo(f"  step failed: {step}", err=True)
     if not any(report[key] for key in _SWEEP_LABELS) and not purged:
-        click.echo("nothing to sweep")
+        click.echo("nothing to sweep" if not report["steps_failed"] else "no run to recover")
     if purged:
         counts = ", ".join(f"{status} {n}" for status, n in purged.items())
         click.echo(f"deleted (finished, older than lease_retention): {counts}")
