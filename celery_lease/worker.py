@@ -217,6 +217,10 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
         except LeaseDatabaseError as exc:
             driver_error = exc.__cause__
             problem = _permanent_problem(driver_error if driver_error is not None else exc)
+            if problem is None and not exc.transient:
+                # Classified permanent by the database (read-only SQLite, a permission):
+                # waiting will not fix it, whatever the driver's message says.
+                problem = f"{exc.cause}: {describe_exception(driver_error or exc, 300)}"
             if problem is not None:
                 raise ImproperlyConfigured(f"lease_database_url ({shown}): {problem}") from None
             if time.monotonic() + delay > deadline:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from celery_lease.migrations import upgrade
 from tests.cluster import (
     AMQP_ID,
     AMQP_SETUP,
@@ -354,3 +355,16 @@ def test_gevent_worker_runs_a_leased_task_then_stops_on_sigterm(cluster: Cluster
     except subprocess.TimeoutExpired:
         pytest.fail(f"the gevent worker ignored SIGTERM:\n{worker.log()[-2000:]}")
     assert "Warm shutdown" in worker.log()
+
+
+@pytest.mark.timeout(60)
+def test_read_only_sqlite_file_refuses_to_start_worker(tmp_path: Path) -> None:
+    """A lease database SQLite opens read-only (here a ``mode=ro`` URI; a file the worker
+    may not write is the same) stops the worker in one line: a read-only database is a
+    permanent problem, whatever its message says. Before, the worker retried it as an
+    outage for 4 s, then started and reported ready with only a warning."""
+    path = tmp_path / "leases.sqlite3"
+    upgrade(f"sqlite:///{path}")
+    url = f"sqlite:///file:{path}?mode=ro&uri=true"
+    line = _start_refused({"CL_LEASE_DB": url})
+    assert "read_only" in line and "readonly database" in line, line
