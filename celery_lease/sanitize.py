@@ -36,7 +36,7 @@ def _card_end(groups: list[str], start: int) -> int:
     """
     digits = groups[start]
     if len(digits) > 6:
-        return start if len(digits) <= 19 and _luhn_ok(digits) else -1
+        return start if 13 <= len(digits) <= 19 and _luhn_ok(digits) else -1
     end = -1
     if len(digits) >= 3:
         for last in range(start + 1, len(groups)):
@@ -96,9 +96,10 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], .
         ),
         rf"\g<pre>{REDACTED}",
     ),
-    # cvc 123, cvv=1234, "card_cvc": "123"
+    # cvc 123, cvv=1234, "cardCvc": "123". No leading [\w-]* as above: that costs
+    # quadratic time on a long hyphenated word, and few words contain "cvc" or "cvv".
     (
-        re.compile(r"(?i)(?P<pre>\b[\w\-]*(?:cvc|cvv)[\w\-]*['\"]?\s*[=:]?\s*['\"]?)[0-9]{3,4}\b"),
+        re.compile(r"(?i)(?P<pre>(?:cvc|cvv)[\w\-]{0,16}['\"]?\s*[=:]?\s*['\"]?)[0-9]{3,4}\b"),
         rf"\g<pre>{REDACTED}",
     ),
     # Card numbers last, so a labelled one (token=...) is hidden whole above.
@@ -106,12 +107,28 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], .
 )
 
 
+#: How far past ``limit`` the patterns read a long text: any secret that begins before
+#: the cut is seen whole there (a URL, a DSN, a header), and the text beyond is never
+#: read, as some patterns take time growing with the square of the length read.
+_LOOKAHEAD = 4096
+
+
 def sanitize(text: str, limit: int = MAX_ERROR_LENGTH) -> str:
-    """``text`` with credentials redacted and its length capped at ``limit``."""
+    """``text`` with credentials redacted and its length capped at ``limit``.
+
+    Only the first ``limit`` + ``_LOOKAHEAD`` characters are read: a 1 MB
+    exception message took minutes. When the text was cut there, the last
+    ``_LOOKAHEAD // 2`` characters read are dropped as well, so what is shown
+    never ends in a secret the cut split before its pattern could match it.
+    """
+    cut = len(text) > limit + _LOOKAHEAD
+    if cut:
+        text = text[: limit + _LOOKAHEAD]
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
-    if len(text) > limit:
-        text = text[: limit - 15] + "...[truncated]"
+    keep = min(limit, len(text) - _LOOKAHEAD // 2) if cut else limit
+    if len(text) > keep:
+        text = text[: max(0, keep - 15)] + "...[truncated]"
     return text
 
 

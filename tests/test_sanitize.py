@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,63 @@ def test_password_with_at_colon_and_slash_is_redacted_whole() -> None:
         for part in ("p@ss", "ss:w", "w/rd", "a@b@c", "pa/ss"):
             assert part not in shown and part not in text
         assert "***@" in shown
+
+
+CARDS = [
+    ("card 4242424242424242 declined", "card ***4242 declined"),
+    ("pan=5555555555554444", "pan=***4444"),
+    ("charge failed for 4242 4242 4242 4242", "charge failed for ***4242"),
+    ("charge failed for 4242-4242-4242-4242", "charge failed for ***4242"),
+    ("amex 3782 822463 10005 refused", "amex ***0005 refused"),
+    ("card 4242 4242 4242 4242 12 26 expired", "card ***4242 12 26 expired"),
+    ("cards 4111111111111111,5555555555554444.", "cards ***1111,***4444."),
+    ("key card-4242424242424242 busy", "key card-***4242 busy"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), CARDS)
+def test_card_number_keeps_only_last_four(text: str, expected: str) -> None:
+    """A Luhn-valid 13-19 digit number, plain or grouped, shows as *** and its last four."""
+    assert sanitize(text) == expected
+
+
+NOT_CARDS = [
+    "order 4242424242424241 not found",  # 16 digits failing Luhn
+    "order 1234567812345678 not found",
+    "deadline 1733560000000 passed",  # epoch milliseconds
+    "ticket 1234567890123456789012345 closed",  # 25 digits
+    "ticket 4242424242424242424242424 closed",  # 25 digits, a Luhn-valid 16 inside
+    "run 123e4567-e89b-12d3-a456-426614174000 lost",
+    "run 12345678-4242-4242-4242-424242424242 lost",  # an all-digit UUID
+    "token id a4242424242424242 and 4242424242424242f",  # hex, glued to letters
+    "call +1 (555) 123-4567 or +44 20 7946 0958",
+    "sum 0.30000000000000004 off",  # a float's fraction
+]
+
+
+@pytest.mark.parametrize("text", NOT_CARDS)
+def test_other_numbers_are_kept(text: str) -> None:
+    """Ids, timestamps, UUIDs and phone numbers that are not card numbers stay as they are."""
+    assert sanitize(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("card declined: cvc 123", "card declined: cvc ***"),
+        ("CVV=1234 rejected", "CVV=*** rejected"),
+        ("cvc: 123", "cvc: ***"),
+        ('{"card_cvc": "123", "cvc_check": "fail"}', '{"card_cvc": "***", "cvc_check": "fail"}'),
+    ],
+)
+def test_labelled_cvc_is_redacted(text: str, expected: str) -> None:
+    """A CVC/CVV value after its label is redacted like other labelled secrets."""
+    assert sanitize(text) == expected
+
+
+def test_labelled_card_number_is_hidden_whole() -> None:
+    """A card number under a secret label is redacted whole, last four included."""
+    assert sanitize("token=4242424242424242") == "token=***"
 
 
 _LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(name)s: %(message)s"
@@ -154,3 +212,16 @@ def test_no_planted_secret_in_any_celery_lease_log_line(scan_cluster: Cluster) -
         leaking = [text for text in ours if secret in text]
         assert not leaking, leaking
     assert cluster.effects(refused) == []
+
+
+def test_a_megabyte_of_text_is_sanitized_in_a_moment_and_cut_safely() -> None:
+    """Only the start of a long text is read (a 1 MB message took minutes); a secret at
+    the start is redacted, and nothing past ``limit`` shows."""
+    started = time.monotonic()
+    text = sanitize("password=hunter2 " + "A" * 1_000_000 + " token=tail-secret")
+    assert time.monotonic() - started < 2.0
+    assert text.startswith("password=***") and "hunter2" not in text
+    assert "tail-secret" not in text and len(text) <= 2000
+    # A secret that starts just before the cut and ends after it is never shown in part.
+    near = "A " * 2500 + "https://user:pw-longsecret@db.example/x" + " A" * 5000
+    assert "pw-long" not in sanitize(near, 5050)

@@ -601,6 +601,14 @@ def slow_commit(self: LeasedTask, seconds: float) -> str:
     return "committed"
 
 
+@app.task(base=LeasedTask, bind=True, name="workerapp.loud_failure", lease_max_attempts=1)
+def loud_failure(self: LeasedTask, size: int) -> None:
+    """Fail with a long message that starts with a secret (an HTTP error carrying the
+    response body, a base64 blob in it, say)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    raise RuntimeError("upstream said token=s3cr3t-value; body: " + "A" * size)
+
+
 @app.task(base=LeasedTask, bind=True, name="workerapp.boom")
 def boom(self: LeasedTask) -> None:
     """Always fails (for link_error and time-limit rows)."""
