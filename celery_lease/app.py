@@ -7,7 +7,7 @@ import contextlib
 from celery import Celery
 
 from .config import beat_sweep_interval
-from .metrics import enable_from_app
+from .metrics import MetricsDirectoryMissing, enable_from_app
 from .runtime import app_runtime
 from .sanitize import protect_loggers
 from .sweeper import BEAT_ENTRY_NAME, SWEEP_TASK_NAME
@@ -52,10 +52,11 @@ def install(app: Celery) -> None:
     runtime = app_runtime(app)
     if runtime.installed:
         return
-    # A missing extra is not raised here: install() runs while the tasks' module is
-    # imported, where it would be a long traceback. The worker's start-up check
-    # (check_extras) stops it with one line naming the extra.
-    with contextlib.suppress(ImportError):
+    # A missing extra or metrics directory is not raised here: install() runs while
+    # the tasks' module is imported, where it would be a long traceback (and would stop
+    # `celery lease` commands, which need no metrics). The worker's start-up check
+    # (check_extras) stops it with one line naming the problem.
+    with contextlib.suppress(ImportError, MetricsDirectoryMissing):
         check_extras(app)
     runtime.mark_installed()
     app.steps["worker"].add(BOOTSTEP)  # it connects the signal receivers

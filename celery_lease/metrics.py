@@ -51,6 +51,7 @@ across processes, exited ones included; the last-sweep gauge takes the maximum.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -333,11 +334,16 @@ def disable(app: Celery) -> None:
         runtime.count_with(None)
 
 
+class MetricsDirectoryMissing(ImproperlyConfigured):  # type: ignore[misc]
+    """``PROMETHEUS_MULTIPROC_DIR`` names no directory: this process cannot count."""
+
+
 def enable_from_app(app: Celery) -> LeaseMetrics | None:
     """Enable metrics when ``app.conf.lease_metrics`` is True; validate the setting.
 
     Raises:
         ImproperlyConfigured: ``lease_metrics`` is not a boolean.
+        MetricsDirectoryMissing: ``PROMETHEUS_MULTIPROC_DIR`` names no directory.
         ImportError: it is True and ``prometheus_client`` is not installed.
     """
     value = app.conf.get(SETTING)
@@ -345,4 +351,11 @@ def enable_from_app(app: Celery) -> LeaseMetrics | None:
         return None
     if value is not True:
         raise ImproperlyConfigured(f"{SETTING} must be True or False, got {value!r}")
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder and not os.path.isdir(folder):
+        # prometheus_client would fail at the first count, in a task or a CLI command.
+        raise MetricsDirectoryMissing(
+            f"{SETTING}: PROMETHEUS_MULTIPROC_DIR={folder!r} is not a directory: create it "
+            "(empty) before starting the worker, or unset it"
+        )
     return enable(app)

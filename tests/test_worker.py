@@ -388,3 +388,30 @@ def test_a_long_error_message_is_recorded_at_once_and_redacted(cluster: Cluster)
     # (docs/security.md); celery-lease's lines do not.
     ours = [line for line in worker.log().splitlines() if "celery_lease" in line or "run " in line]
     assert not [line for line in ours if "s3cr3t" in line and "raised unexpected" not in line]
+
+
+def test_missing_metrics_directory_refuses_the_worker_not_the_cli(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """``lease_metrics = True`` with ``PROMETHEUS_MULTIPROC_DIR`` naming no directory: the
+    worker refuses to start in one line (prometheus_client would fail at the first count,
+    inside a task), and `celery lease` commands, which need no metrics, still work (they
+    printed a FileNotFoundError traceback)."""
+    import json
+    import os
+
+    missing = str(tmp_path / "no-metrics-dir")
+    upgrade(sqlite_url)
+    env = {"CL_LEASE_DB": sqlite_url, "PROMETHEUS_MULTIPROC_DIR": missing}
+    line = _start_refused({**env, "CL_CONF": json.dumps({"lease_metrics": True})})
+    assert f"PROMETHEUS_MULTIPROC_DIR={missing!r} is not a directory" in line
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.metricsapp", "lease", "sweep"],
+        env={**os.environ, "CL_BROKER_URL": "memory://", **env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "nothing to sweep" in proc.stdout
