@@ -13,6 +13,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -176,6 +177,29 @@ def test_republish_refused_without_acks_late_is_kept_for_the_sweeper(
         cluster.close()
 
 
+def _broker_stopped_at_publish(
+    cluster: Cluster, private_redis: PrivateRedis, task: str, *args: Any
+) -> tuple[Worker, str]:
+    """A worker (2 s lease) runs ``task``; the first publish its run makes (a retry) is
+    held at the gate until the broker is stopped, then let go: it is refused."""
+    gate = cluster.tmp_path / "gate"
+    gate.mkdir()
+    worker = cluster.start(
+        "w1",
+        conf=CONF,
+        concurrency=1,
+        CL_LEASE_SECONDS="2",
+        CL_HEARTBEAT="0.5",
+        CL_PUBLISH_GATE=str(gate),
+    )
+    (gate / "armed").touch()
+    run_id = cluster.send(task, *args)
+    wait_for((gate / "reached").exists, 30, what="the run's publish")
+    private_redis.stop()
+    (gate / "go").touch()
+    return worker, run_id
+
+
 @pytest.mark.timeout(90)
 def test_celery_retry_refused_by_the_broker_is_kept_for_the_sweeper(
     pg_url: str,
@@ -190,21 +214,7 @@ def test_celery_retry_refused_by_the_broker_is_kept_for_the_sweeper(
     retry runs and the run succeeds."""
     cluster = Cluster(pg_url, {"CL_BROKER_URL": private_redis.url}, tmp_path, workers)
     try:
-        gate = tmp_path / "gate"
-        gate.mkdir()
-        worker = cluster.start(
-            "w1",
-            conf=CONF,
-            concurrency=1,
-            CL_LEASE_SECONDS="2",
-            CL_HEARTBEAT="0.5",
-            CL_PUBLISH_GATE=str(gate),
-        )
-        (gate / "armed").touch()
-        run_id = cluster.send("retry_later", 1.0)
-        wait_for((gate / "reached").exists, 30, what="the retry's publish")
-        private_redis.stop()
-        (gate / "go").touch()
+        worker, run_id = _broker_stopped_at_publish(cluster, private_redis, "retry_later", 1.0)
         wait_for(lambda: "refused the retry" in worker.log(), 30, what="the refused retry")
         row = cluster.store.get(run_id)
         assert row is not None and row.status == "retrying", row
@@ -231,21 +241,7 @@ def test_a_failure_whose_retry_the_broker_refuses_is_no_lost_lease(
     a lost lease (no ``held -> lost`` line, nothing for ``lease_lost_total``)."""
     cluster = Cluster(pg_url, {"CL_BROKER_URL": private_redis.url}, tmp_path, workers)
     try:
-        gate = tmp_path / "gate"
-        gate.mkdir()
-        worker = cluster.start(
-            "w1",
-            conf=CONF,
-            concurrency=1,
-            CL_LEASE_SECONDS="2",
-            CL_HEARTBEAT="0.5",
-            CL_PUBLISH_GATE=str(gate),
-        )
-        (gate / "armed").touch()
-        run_id = cluster.send("boom")
-        wait_for((gate / "reached").exists, 30, what="the failure's retry publish")
-        private_redis.stop()
-        (gate / "go").touch()
+        worker, run_id = _broker_stopped_at_publish(cluster, private_redis, "boom")
         wait_for(lambda: "kept in the lease database" in worker.log(), 30, what="the kept retry")
         row = cluster.store.get(run_id)
         assert row is not None and row.status == "retrying", row
