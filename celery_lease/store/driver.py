@@ -74,7 +74,7 @@ class _ClientWatchdog:
             self._disarm_key(id(dbapi_connection))
 
     def _arm_connection(self, conn: Connection) -> None:
-        dbapi_connection = conn.connection.dbapi_connection
+        dbapi_connection = _driver_connection(conn)
         if dbapi_connection is not None:
             self._arm_key(id(dbapi_connection), dbapi_connection)
 
@@ -82,7 +82,7 @@ class _ClientWatchdog:
         self._arm_connection(conn)
 
     def _disarm_statement(self, conn: Connection, *args: Any) -> None:
-        dbapi_connection = conn.connection.dbapi_connection
+        dbapi_connection = _driver_connection(conn)
         if dbapi_connection is not None:
             self._disarm_key(id(dbapi_connection))
 
@@ -137,6 +137,15 @@ class _ClientWatchdog:
                 sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.close()
+
+
+def _driver_connection(conn: Connection) -> Any:
+    """The DBAPI connection under ``conn``, or None once it is invalidated or closed:
+    ``conn.connection`` would then try to reconnect, and inside a transaction raise
+    (as in the rollback that follows a dropped connection)."""
+    if conn.invalidated or conn.closed:
+        return None
+    return conn.connection.dbapi_connection
 
 
 #: Execution option: the engine's hot-path statements run on one connection the first
