@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -445,31 +446,48 @@ class Database(abc.ABC):
 # -- what two database classes share ---------------------------------------------
 
 
-@contextlib.contextmanager
-def begin_pinged(engine: Engine) -> Iterator[Connection]:
-    """``engine.begin()``, the transaction's first round trip a ``SELECT 1``.
+#: Pooled connections a live transaction looks at before taking one as dead for good.
+LIVE_TRIES = 3
 
-    A pooled connection the server dropped (a restart, a failover, an idle timeout)
-    fails there, before the caller's block has run anything on it: SQLAlchemy then
-    invalidates it and the pool's older connections, and the block gets a new one.
-    One more round trip per transaction; what it saves is a body run again because
-    its commit found a dead connection (the block cannot be replayed).
+
+@contextlib.contextmanager
+def begin_live_on(engine: Engine, dropped: Callable[[Any], bool]) -> Iterator[Connection]:
+    """``engine.begin()`` on a pooled connection that ``dropped`` (asked of its DBAPI
+    connection) does not find dead.
+
+    A connection the server dropped (a restart, a failover, an idle timeout) is
+    invalidated and another taken, up to ``LIVE_TRIES`` times, before the caller's
+    block runs anything: the block cannot be replayed, and a commit failing on a dead
+    connection would run the body again.
     """
     conn = engine.connect()
     try:
-        trans = conn.begin()
-        try:
-            conn.exec_driver_sql("SELECT 1")
-        except sa_exc.DBAPIError as exc:
-            if not exc.connection_invalidated:
-                raise
+        for _ in range(LIVE_TRIES - 1):
+            dbapi_connection = conn.connection.dbapi_connection
+            if dbapi_connection is None or not dropped(dbapi_connection):
+                break
+            conn.invalidate()
             conn.close()
             conn = engine.connect()
-            trans = conn.begin()
-        with trans:
+        with conn.begin():
             yield conn
     finally:
         conn.close()
+
+
+def socket_dropped(dbapi_connection: Any) -> bool:
+    """True when the driver says the connection is closed or broken, or its idle socket
+    has something to read: an idle connection is sent nothing but the server's goodbye
+    (a FATAL message, then end of file). A system call, no round trip."""
+    if getattr(dbapi_connection, "closed", False) or getattr(dbapi_connection, "broken", False):
+        return True
+    try:
+        fd = int(dbapi_connection.fileno())
+    except Exception:  # no socket to look at: take it as live
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
 
 
 class UpsertClaim:

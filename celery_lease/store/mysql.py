@@ -42,7 +42,7 @@ from .database import (
     MigrationLockTimeout,
     OnlineDDL,
     add_column_sql,
-    begin_pinged,
+    begin_live_on,
     permanent,
     retry_ddl,
     server_engines,
@@ -115,6 +115,15 @@ class LockedClaim:
             ).where(runs.c.id == values["id"])
         ).one()
         return attempt, int(expires), int(ceiling), checkpoint, trace_context, int(generation)
+
+
+def _ping_fails(dbapi_connection: Any) -> bool:
+    """True when the server does not answer a ``COM_PING`` (one round trip)."""
+    try:
+        dbapi_connection.ping(reconnect=False)
+    except Exception:
+        return True
+    return False
 
 
 class MySQL(Database):
@@ -262,9 +271,9 @@ class MySQL(Database):
         return bool(args) and args[0] == 1205
 
     def begin_live(self, engine: Engine) -> AbstractContextManager[Connection]:
-        """A ``SELECT 1`` first: a connection the server dropped is replaced (see
-        :func:`~celery_lease.store.database.begin_pinged`)."""
-        return begin_pinged(engine)
+        """A ``COM_PING`` first (the driver gives no socket to look at): a connection the
+        server dropped is replaced (see :func:`~celery_lease.store.database.begin_live_on`)."""
+        return begin_live_on(engine, _ping_fails)
 
     def insert(self, table: Table) -> Any:
         """The plain ``INSERT`` (no ``ON CONFLICT`` here)."""

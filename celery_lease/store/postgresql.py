@@ -43,12 +43,13 @@ from .database import (
     MigrationLockTimeout,
     OnlineDDL,
     UpsertClaim,
-    begin_pinged,
+    begin_live_on,
     own_transactions,
     permanent,
     retry_ddl,
     server_engines,
     server_single_statements,
+    socket_dropped,
     transient,
     unresolvable_host,
     upsert_kept,
@@ -232,9 +233,9 @@ class PostgreSQL(Database):
         return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) == "55P03"
 
     def begin_live(self, engine: Engine) -> AbstractContextManager[Connection]:
-        """A ``SELECT 1`` first: a connection the server dropped is replaced (see
-        :func:`~celery_lease.store.database.begin_pinged`)."""
-        return begin_pinged(engine)
+        """A connection whose socket says the server dropped it is replaced first, with no
+        round trip (see :func:`~celery_lease.store.database.socket_dropped`)."""
+        return begin_live_on(engine, socket_dropped)
 
     def insert(self, table: Table) -> Any:
         """PostgreSQL's ``INSERT``, with ``ON CONFLICT``."""
