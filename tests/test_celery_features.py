@@ -195,3 +195,23 @@ def test_per_call_max_retries_bounds_the_run_as_celery_does(cluster: Cluster, ta
     assert row is not None and (row.status, row.attempt) == ("failed", 2)
     time.sleep(1.5)
     assert [e.attempt for e in cluster.effects(res.id, "start")] == [1, 2]
+
+
+@pytest.mark.parametrize("cluster", SETUPS[:3], ids=SETUP_IDS[:3], indirect=True)
+@pytest.mark.timeout(120)
+def test_a_retry_due_as_its_backoff_ends_runs_as_the_next_retry(cluster: Cluster) -> None:
+    """autoretry_for(countdown=0.5, max_retries=2) on a body that fails twice: the body sees
+    retries 0, 1, 2 and the task succeeds, as in plain Celery. Celery's ETA is counted from
+    the retry's publish, the row's backoff from the write after it, so a retry is often
+    delivered a few milliseconds before its backoff ends (on Redis about half the time):
+    it was sent again as a new retry, which showed the body retries 0, 2 and spent
+    max_retries."""
+    cluster.start("w1", conf={**FAST, "lease_max_attempts": 5})
+    runs = [sig(cluster, "fails_twice").apply_async() for _ in range(6)]
+    for res in runs:
+        assert res.get(timeout=60) == "third time"
+    for res in runs:
+        seen = [e.kind for e in cluster.effects(res.id) if e.kind.startswith("start:")]
+        assert seen == ["start:0", "start:1", "start:2"], seen
+        row = cluster.store.get(res.id)
+        assert row is not None and (row.status, row.attempt) == ("succeeded", 3)

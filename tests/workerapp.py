@@ -1149,6 +1149,23 @@ def auto_kw_capped(self: LeasedTask) -> None:
     raise ValueError(f"auto kw capped attempt {self.lease.attempt}")
 
 
+@app.task(
+    base=LeasedTask,
+    bind=True,
+    name="workerapp.fails_twice",
+    autoretry_for=(KeyError,),
+    retry_kwargs={"max_retries": 2, "countdown": 0.5},
+    lease_retry_errors=False,
+)
+def fails_twice(self: LeasedTask) -> str:
+    """autoretry_for with a 0.5 s countdown and ``max_retries=2``: raises on its first two
+    runs, records the ``retries`` each run sees, and succeeds on the third."""
+    record(self.lease.run_id, self.lease.attempt, f"start:{self.request.retries}")
+    if self.request.retries < 2:
+        raise KeyError(f"fails twice, run {self.request.retries + 1}")
+    return "third time"
+
+
 @app.task(base=LeasedTask, bind=True, name="workerapp.call_capped")
 def call_capped(self: LeasedTask) -> None:
     """``self.retry(max_retries=1)``: Celery runs it twice."""

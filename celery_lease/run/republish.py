@@ -84,18 +84,24 @@ def on_busy(delivery: Delivery, claim: ClaimResult) -> NoReturn:
     reason = {
         "concurrency": "concurrency limit reached",
         "backoff": "waiting for its retry backoff",
+        "due": "it came due as it was read",
     }.get(claim.reason, "held by another worker")
     busy = LeaseBusy(claim.run_id, claim.retry_in, reason)
+    # Held back by the row's own backoff, not by a holder: most often the run's own
+    # retry, whose ETA Celery counts from its publish, a moment before the write that
+    # starts the backoff. It is sent again as that same retry (Celery's ``retries``
+    # kept), for the time left, whatever the busy policy.
+    own_backoff = claim.reason in ("backoff", "due")
     if claim.reason == "concurrency":
         # A slot frees when any holder finishes, usually well before its
         # lease would expire: poll with jittered backoff, capped by that.
         delay = min(claim.retry_in, backoff_delay(config, request.retries + 1))
         delay = max(delay, 0.05)
+    elif own_backoff:
+        delay = claim.retry_in + 0.05
     else:
         delay = busy_delay(config, claim.retry_in, request.retries)
-    # A retry that arrived before its backoff ended is this run's own next
-    # attempt, not a duplicate: it always waits, whatever the busy policy.
-    policy = "retry" if claim.reason == "backoff" else config.busy_policy
+    policy = "retry" if own_backoff else config.busy_policy
     delivery.events.emit(
         Event.BUSY,
         claim.run_id,
@@ -114,6 +120,8 @@ def on_busy(delivery: Delivery, claim: ClaimResult) -> NoReturn:
         raise busy
     if policy == "skip":
         raise Ignore()
+    if own_backoff:
+        reschedule(delivery, delay, busy, retries=request.retries)
     reschedule(delivery, delay, busy)
 
 

@@ -464,7 +464,7 @@ class LeaseStore:
                 if paused is not None:
                     return ClaimResult("paused", run_id, owner, attempt, status, reason=paused)
                 # It became claimable between our two statements: try again soon.
-                return ClaimResult("busy", run_id, owner, attempt, status, 0.0, reason="race")
+                return ClaimResult("busy", run_id, owner, attempt, status, 0.0, reason="due")
             return ClaimResult(
                 "busy",
                 run_id,
