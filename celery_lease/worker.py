@@ -46,7 +46,7 @@ from .runtime import (
     shutting_down,
 )
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
-from .store import RunNotFound
+from .store import OTHER_DELIVERY, RunNotFound
 from .store.databases import database_for
 from .sweeper import register_sweep_task
 from .worker_sweeper import WorkerSweeper
@@ -440,7 +440,9 @@ def _on_task_revoked(
         "celery-lease: task %s revoked: run %s is %s",
         request.id,
         run_id,
-        ("left running (an expired copy)" if expired else "cancel-requested")
+        "left alone (not its own delivery)"
+        if status == OTHER_DELIVERY
+        else ("left running (an expired copy)" if expired else "cancel-requested")
         if status == "running"
         else status,
         extra={"lease_event": Event.REVOKED, "run_id": run_id},

@@ -131,6 +131,27 @@ def test_revoke_terminate_cancels_the_run(cluster: Cluster) -> None:
     assert cluster.status(later.id) is None
 
 
+@SQLITE_FS
+@pytest.mark.timeout(90)
+def test_revoking_a_duplicate_leaves_the_run_alone_and_says_so(cluster: Cluster) -> None:
+    """revoke() of a duplicate's task id: the run goes on and succeeds, and the log says it
+    was left alone (it said the run "is cancel-requested")."""
+    worker = cluster.start("w1", conf=FAST)
+    x = uuid.uuid4().int % 10**9
+    own = sig(cluster, "keyed", x, 3.0).apply_async()
+    run_id = f"workerapp.keyed:{x}"
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="the body to start")
+    duplicate = sig(cluster, "keyed", x).apply_async(countdown=1)
+    cluster.producer.control.revoke(duplicate.id)
+    wait_for(lambda: f"task {duplicate.id} revoked" in worker.log(), 30, what="the revoke")
+    assert own.get(timeout=30) == x * 10
+    line = next(ln for ln in worker.log().splitlines() if f"task {duplicate.id} revoked" in ln)
+    assert f"run {run_id} is left alone (not its own delivery)" in line, line
+    row = cluster.store.get(run_id)
+    assert row is not None and row.status == "succeeded" and row.cancel_requested_at is None
+    assert len(cluster.effects(run_id, "start")) == 1
+
+
 @PG_REDIS
 @pytest.mark.timeout(150)
 def test_acks_late_reject_on_worker_lost_runs_once(cluster: Cluster) -> None:

@@ -27,6 +27,7 @@ from .outbox import OutboxStore as OutboxStore
 from .postgresql import PSYCOPG_PREPARE_THRESHOLD as PSYCOPG_PREPARE_THRESHOLD
 from .reads import RunReads as RunReads
 from .records import CLAIM_CONTENTION_TRIES as CLAIM_CONTENTION_TRIES
+from .records import OTHER_DELIVERY as OTHER_DELIVERY
 from .records import PURGE_BATCH as PURGE_BATCH
 from .records import Activity as Activity
 from .records import ClaimOutcome as ClaimOutcome

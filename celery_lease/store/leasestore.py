@@ -60,6 +60,7 @@ from .records import (
     _CLEARED_MESSAGE,
     _CLEARED_ON_SUCCESS,
     CLAIM_CONTENTION_TRIES,
+    OTHER_DELIVERY,
     PURGE_BATCH,
     ClaimResult,
     HeartbeatResult,
@@ -1213,7 +1214,8 @@ class LeaseStore:
         Returns the resulting status (``cancelled``, or ``running`` with
         ``cancel_requested_at`` set, or the status it has when nothing changed).
         With ``task_id``, only a run whose own delivery has that Celery task id
-        is touched (a revoked duplicate never cancels the run it duplicates).
+        is touched (a revoked duplicate never cancels the run it duplicates):
+        another's run returns :data:`OTHER_DELIVERY`.
         With ``running=False`` a running run is left alone (an expired copy of
         its message must not stop the delivery that runs it).
         Raises :class:`RunNotFound` for an unknown id.
@@ -1255,9 +1257,11 @@ class LeaseStore:
         if row is None:
             raise RunNotFound(run_id)
         status, own_task_id = row
+        if task_id is not None and own_task_id != task_id:
+            return OTHER_DELIVERY
         if status == schema.RUNNING and not running:
             return str(status)
-        if status not in schema.TERMINAL_STATUSES and (task_id is None or own_task_id == task_id):
+        if status not in schema.TERMINAL_STATUSES:
             # It changed status between the statements: try again.
             return self.cancel(run_id, task_id=task_id, running=running)
         return str(status)

@@ -7,6 +7,10 @@ from typing import Any, Literal
 
 from ..schema import TERMINAL_STATUSES
 
+#: What :meth:`~celery_lease.store.LeaseStore.cancel` returns for a task id that is not the
+#: run's own delivery (a revoked duplicate): the run is left alone.
+OTHER_DELIVERY = "another delivery's"
+
 #: How many times one claim call re-runs after losing to a concurrent claim
 #: (deadlock, serialization failure, duplicate insert) before reporting busy.
 CLAIM_CONTENTION_TRIES = 8
