@@ -722,3 +722,59 @@ def _status(engine: Any, task_id: str) -> str | None:
             f"SELECT status FROM {TABLE_NAME} WHERE task_id = '{task_id}'"
         ).scalar()
     return None if found is None else str(found)
+
+
+_APP_ENV = """
+from alembic import context
+from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine
+
+from celery_lease.migrations import exclude_lease_tables
+
+target_metadata = MetaData()
+Table("orders", target_metadata, Column("id", Integer, primary_key=True), Column("sku", String(20)))
+
+connectable = create_engine(context.config.get_main_option("sqlalchemy.url"))
+with connectable.connect() as connection:
+    options = {"include_name": exclude_lease_tables} if FILTERED else {}
+    context.configure(connection=connection, target_metadata=target_metadata, **options)
+    with context.begin_transaction():
+        context.run_migrations()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("filtered", [True, False], ids=["documented", "unfiltered"])
+def test_the_apps_own_alembic_check_passes_beside_the_lease_tables(
+    db_url: str, tmp_path: Path, filtered: bool
+) -> None:
+    """An application's own Alembic environment (its `orders` table) in the lease database,
+    after `lease migrate`: with migrations.md's `env.py` filter, `alembic check` finds
+    nothing to do; without it, it wants to drop every celery-lease table (as users saw)."""
+    upgrade(db_url)
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE orders (id INTEGER NOT NULL PRIMARY KEY, sku VARCHAR(20))"))
+    engine.dispose()
+    (tmp_path / "app_migrations" / "versions").mkdir(parents=True)
+    (tmp_path / "app_migrations" / "env.py").write_text(
+        f"FILTERED = {filtered}\n" + _APP_ENV, encoding="utf-8"
+    )
+    (tmp_path / "app_migrations" / "script.py.mako").write_text("", encoding="utf-8")
+    (tmp_path / "alembic.ini").write_text(
+        f"[alembic]\nscript_location = app_migrations\nsqlalchemy.url = {db_url}\n",
+        encoding="utf-8",
+    )
+    checked = subprocess.run(
+        [str(Path(sys.executable).with_name("alembic")), "check"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = checked.stdout + checked.stderr
+    if filtered:
+        assert checked.returncode == 0, output
+        assert "No new upgrade operations detected" in output
+    else:
+        assert checked.returncode != 0
+        assert "remove_table" in output and TABLE_NAME in output

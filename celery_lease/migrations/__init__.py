@@ -44,6 +44,7 @@ __all__ = [
     "MigrationResult",
     "alembic_config",
     "current",
+    "exclude_lease_tables",
     "head",
     "include_name",
     "migration_bounds",
@@ -82,6 +83,19 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     """Autogenerate filter: only celery-lease's own tables, never the application's."""
     if type_ == "table":
         return name in metadata.tables
+    return True
+
+
+def exclude_lease_tables(name: str | None, type_: str, parent_names: Any) -> bool:
+    """Autogenerate filter for the application's own Alembic environment: every table but
+    celery-lease's (its tables and its version table), which ``lease migrate`` owns.
+
+    Without it, an application whose models share the lease database sees celery-lease's
+    tables as tables to drop (``alembic check`` fails, ``revision --autogenerate`` writes
+    ``drop_table`` for each). Pass it as ``include_name`` in ``context.configure()``.
+    """
+    if type_ == "table":
+        return name != VERSION_TABLE and name not in metadata.tables
     return True
 
 
