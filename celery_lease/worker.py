@@ -208,11 +208,8 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
             present = store.has_schema()  # runtime_for prepared an embedded one
             break
         except ImportError as exc:
-            extra = database_for(backend).driver_extra or backend
             raise ImproperlyConfigured(
-                f"lease_database_url ({shown}) needs a database driver that is not "
-                f"installed ({describe_exception(exc, 200)}): pip install "
-                f"'celery-lease[{extra}]'"
+                f"lease_database_url ({shown}) {database_for(backend).missing_driver(exc)}"
             ) from None
         except LeaseDatabaseError as exc:
             driver_error = exc.__cause__

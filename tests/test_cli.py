@@ -376,6 +376,20 @@ def test_unreachable_database_is_one_line_without_password(cli: Cli) -> None:
         assert "hunter2" not in proc.stderr + proc.stdout, line
 
 
+def test_a_missing_database_driver_is_one_line_naming_the_extra(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A PostgreSQL URL without psycopg installed: each command says which extra to install,
+    in one line, as the worker does (they printed a 50-line ModuleNotFoundError traceback)."""
+    cli = Cli(sqlite_url, tmp_path)
+    shims = f"{REPO / 'tests' / 'shims'}{os.pathsep}{REPO}"
+    url = "postgresql+psycopg://ops:hunter2@127.0.0.1:1/leases"
+    for command in (("migrate",), ("runs",), ("show", "x"), ("sweep",)):
+        proc = cli(*command, CL_LEASE_DB=url, CL_SHIM_HIDE_MODULE="psycopg", PYTHONPATH=shims)
+        line = assert_one_line_error(proc, "pip install 'celery-lease[postgres]'", "psycopg")
+        assert "ops:***@127.0.0.1:1" in line and "hunter2" not in line
+
+
 def test_invalid_url_and_unknown_backend_are_one_line(cli: Cli) -> None:
     """A malformed URL or an unsupported database is rejected in one line naming the key."""
     assert_one_line_error(cli("runs", CL_LEASE_DB="not a url"), "lease_database_url")

@@ -37,7 +37,7 @@ from ..schema import (
     TABLE_NAME,
 )
 from ..store import LeaseStore, RunNotFound, RunRecord
-from ..store.databases import database_for
+from ..store.databases import backend_of, database_for
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -106,6 +106,12 @@ def _operator_errors(fun: F) -> F:
             raise
         except ImproperlyConfigured as exc:
             raise _Failure(sanitize(str(exc))) from None
+        except ImportError as exc:
+            url = click.get_current_context().meta.get(_URL_KEY)
+            if url is None:
+                raise
+            database = database_for(backend_of(url))  # its driver, imported on first use
+            raise _Failure(f"lease database {url} {database.missing_driver(exc)}") from None
         except RunNotFound as exc:
             raise _Failure(f"no run with id {exc.run_id!r}") from None
         except LeaseDatabaseError as exc:

@@ -259,6 +259,14 @@ class Database(abc.ABC):
         #: The database clock in epoch milliseconds, as SQL.
         self.clock_sql = clock_sql
 
+    def missing_driver(self, exc: ImportError) -> str:
+        """What to do about this database's driver, whose import raised ``exc``: one line."""
+        extra = self.driver_extra or self.names[0]
+        return (
+            f"needs a database driver that is not installed ({exc}): "
+            f"pip install 'celery-lease[{extra}]'"
+        )
+
     # -- engines ---------------------------------------------------------------
 
     @abc.abstractmethod
