@@ -16,6 +16,7 @@ from .errors import (
     LeaseUsageError,
     RunCancelled,
     RunFailed,
+    RunNotFound,
 )
 from .flow import pause, resume
 from .lease.lease import Lease, current_lease
@@ -37,6 +38,7 @@ __all__ = [
     "LeasedTask",
     "RunCancelled",
     "RunFailed",
+    "RunNotFound",
     "current_lease",
     "install",
     "pause",

@@ -527,6 +527,26 @@ def check_app_settings(app: Celery) -> None:
             ``lease_worker_sweeper`` that is not a boolean, or the
             default per-host SQLite file behind a broker that spans hosts.
     """
+    check_setting_names(app)
+    worker_sweeper(app.conf)
+    if app.conf.get("lease_database_url") is None:
+        schemes = network_broker_schemes(app)
+        if schemes:
+            raise ImproperlyConfigured(
+                f"lease_database_url is not set, so each host would use its own SQLite file "
+                f"({default_database_url()}) while the {'/'.join(schemes)} broker spans "
+                "hosts: workers would not coordinate; set lease_database_url (e.g. "
+                "postgresql+psycopg://app@db/app, or this SQLite URL to keep one host)"
+            )
+
+
+def check_setting_names(app: Celery) -> None:
+    """Refuse a ``lease_*`` key of ``app``'s configuration that celery-lease does not know.
+
+    Raises:
+        ImproperlyConfigured: naming each such key as it was spelled (namespace
+            included), with the close match.
+    """
     unknown: list[tuple[str, str]] = []
     for spelled, name in _lease_keys(app.conf):
         if name in APP_SETTING_NAMES:
@@ -540,16 +560,6 @@ def check_app_settings(app: Celery) -> None:
         unknown.append((spelled, hint))
     if unknown:
         raise ImproperlyConfigured(_unknown_message("unknown setting", unknown))
-    worker_sweeper(app.conf)
-    if app.conf.get("lease_database_url") is None:
-        schemes = network_broker_schemes(app)
-        if schemes:
-            raise ImproperlyConfigured(
-                f"lease_database_url is not set, so each host would use its own SQLite file "
-                f"({default_database_url()}) while the {'/'.join(schemes)} broker spans "
-                "hosts: workers would not coordinate; set lease_database_url (e.g. "
-                "postgresql+psycopg://app@db/app, or this SQLite URL to keep one host)"
-            )
 
 
 def check_task_options(task_name: str, options: list[str], known: set[str]) -> None:

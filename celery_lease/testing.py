@@ -41,7 +41,7 @@ from typing import Any
 
 from celery import Celery
 
-from .config import sqlite_url
+from .config import check_setting_names, sqlite_url
 from .errors import LeaseError
 from .owner import Owner
 from .runtime import app_config, app_runtime, runtime_for, store_for
@@ -89,7 +89,8 @@ def use_lease_database(
     """Point ``app`` at a lease database and return the store its tasks will use.
 
     ``path_or_url`` is a SQLite file path or any lease database URL. Extra
-    ``lease_*`` settings are applied too (e.g. ``lease_max_attempts=1``). With
+    ``lease_*`` settings are applied too (e.g. ``lease_max_attempts=1``); a key
+    celery-lease does not know raises ``ImproperlyConfigured``. With
     ``eager`` (default) ``task_always_eager`` and ``task_eager_propagates`` are
     set, so ``.delay()`` runs in process and raises what the task raises.
     Cached settings on the app and its tasks are dropped so the change applies.
@@ -98,6 +99,7 @@ def use_lease_database(
     raw = os.fspath(path_or_url)
     url = raw if "://" in raw else sqlite_url(raw)
     app.conf.update(lease_database_url=url, **settings)
+    check_setting_names(app)  # a misspelled setting is refused, as by the worker
     if eager:
         app.conf.update(task_always_eager=True, task_eager_propagates=True)
     app_runtime(app).forget_settings()

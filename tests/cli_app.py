@@ -3,11 +3,12 @@
 Configured from environment variables: ``CL_LEASE_DB`` (lease database URL),
 ``CL_BROKER_URL`` and ``CL_FS_DIR`` (a ``filesystem://`` broker folder, so the
 sweeper can re-enqueue without any server), ``CL_WEB_HOSTS`` (``lease_web_hosts``,
-comma-separated).
+comma-separated), ``CL_CONF`` (more settings, as a JSON object).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from celery import Celery
@@ -20,6 +21,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     lease_database_url=os.environ.get("CL_LEASE_DB"),
 )
+if os.environ.get("CL_CONF"):
+    app.conf.update(json.loads(os.environ["CL_CONF"]))  # more settings, as JSON
 if os.environ.get("CL_WEB_HOSTS"):
     app.conf.lease_web_hosts = os.environ["CL_WEB_HOSTS"].split(",")
 if os.environ.get("CL_FS_DIR"):

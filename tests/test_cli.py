@@ -390,6 +390,17 @@ def test_a_missing_database_driver_is_one_line_naming_the_extra(
         assert "ops:***@127.0.0.1:1" in line and "hunter2" not in line
 
 
+def test_a_misspelled_setting_is_refused_in_one_line(sqlite_url: str, tmp_path: Path) -> None:
+    """`lease_secnds` in the app's configuration: every command refuses it in one line, as
+    the worker does (migrate ran with the default lease and exited 0)."""
+    cli = Cli(sqlite_url, tmp_path)
+    cli.env["CL_CONF"] = '{"lease_secnds": 3}'
+    for command in (("migrate",), ("runs",)):
+        assert_one_line_error(
+            cli(*command), "unknown setting lease_secnds; did you mean lease_seconds?"
+        )
+
+
 def test_invalid_url_and_unknown_backend_are_one_line(cli: Cli) -> None:
     """A malformed URL or an unsupported database is rejected in one line naming the key."""
     assert_one_line_error(cli("runs", CL_LEASE_DB="not a url"), "lease_database_url")

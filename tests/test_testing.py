@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
+from celery.exceptions import ImproperlyConfigured
 
 from celery_lease import LeaseBusy, LeasedTask, LeaseError, LeaseLost, LeaseStore, testing
 from celery_lease.runtime import store_for
@@ -45,6 +46,15 @@ def test_fixtures_give_a_fresh_store(lease_store: LeaseStore, lease_database_url
     """The lease_store fixture is empty, has its table, and sits at lease_database_url."""
     assert lease_store.has_schema() and lease_store.reads.list_runs() == []
     assert lease_store.engine.url.render_as_string() == lease_database_url
+
+
+def test_a_misspelled_setting_is_refused_as_the_worker_refuses_it(tmp_path: Path) -> None:
+    """use_lease_database(app, path, lease_max_attempt=1): refused with the close match (the
+    typo was accepted, and the run got the default 5 attempts)."""
+    app = Celery("usersuite", set_as_current=False)
+    with pytest.raises(ImproperlyConfigured, match="did you mean lease_max_attempts"):
+        testing.use_lease_database(app, tmp_path / "leases.sqlite3", lease_max_attempt=1)
+    testing.shutdown_leases(app)
 
 
 def test_eager_delay_runs_under_a_lease(app: Celery) -> None:

@@ -27,7 +27,7 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from ..config import LeaseConfig, celery_command
+from ..config import LeaseConfig, celery_command, check_setting_names
 from ..display import format_duration
 from ..errors import LeaseDatabaseError, LeaseError
 from ..owner import Owner
@@ -129,6 +129,7 @@ def _operator_errors(fun: F) -> F:
 def _database_url(ctx: click.Context) -> str:
     """The lease database URL: ``--database-url`` or the app's ``lease_database_url``."""
     override: str | None = ctx.find_root().meta.get("celery_lease.override")
+    check_setting_names(ctx.obj.app)  # a misspelled key is refused, as by the worker
     if override is None:
         url = LeaseConfig.from_app(ctx.obj.app).database_url
     else:
