@@ -20,7 +20,7 @@ from .errors import LeaseError, LeaseUsageError
 from .events import Event
 from .requeue import MessageNotAccepted, decode_message
 from .runtime import app_runtime, lease_databases, runtime_for, store_for, task_configs
-from .sanitize import describe_exception
+from .sanitize import describe_exception, sanitize
 from .schema import HELD_RATE
 from .store import HeldRecord, LeaseStore
 
@@ -109,7 +109,8 @@ def pause_counted(
     if key is not None:
         check_pause_key(app, task_name, key)
     store = store or store_of(app, task_name)
-    paused = store.flow.pause(task_name, key, reason)
+    # Shown on pages, in `lease paused` and on claim spans: redacted like last_error.
+    paused = store.flow.pause(task_name, key, None if reason is None else sanitize(reason))
     asked = store.flow.request_cancel_running(task_name, key) if cancel_running else 0
     app_runtime(app).events.emit(
         Event.FLOW_PAUSED,

@@ -456,3 +456,17 @@ def test_pause_of_a_name_nobody_uses_is_refused_unless_forced(cluster: Cluster) 
     assert "paused workerapp.later" in lease_cli(cluster, "pause", "workerapp.later", "--force")
     listing = lease_cli(cluster, "paused")
     assert "workerapp.work" in listing and "workerapp.later" in listing
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(90)
+def test_a_pause_reason_is_redacted_where_it_is_stored(cluster: Cluster) -> None:
+    """`lease pause --reason` with a card number, a CVC and a password in it: `lease paused`
+    (and so the web view, `lease stats` and the claim span, which read the stored reason)
+    shows them masked, as last_error is (it showed them as typed)."""
+    reason = "card 4242 4242 4242 4242 cvc 123 password=hunter2 incident"
+    lease_cli(cluster, "pause", "workerapp.work", "--reason", reason)
+    for shown in (lease_cli(cluster, "paused"), lease_cli(cluster, "paused", "--json")):
+        assert "***4242" in shown and "incident" in shown, shown
+        assert "4242 4242" not in shown and "cvc 123" not in shown and "hunter2" not in shown
+    lease_cli(cluster, "resume", "workerapp.work")
