@@ -33,9 +33,11 @@ Exported (names as Prometheus shows them):
   (``key`` is the rate key); ``lease stats`` and ``lease top`` show how many wait now.
 - ``celery_lease_heartbeat_seconds``: latency of one batched heartbeat statement.
 - ``celery_lease_last_sweep_timestamp_seconds{database}``: when the last sweep of
-  each lease database (password masked) ran, as a Unix time: seen by the process
-  that swept, and by every worker's main process once per ``lease_sweep_interval``.
-  Alert on ``time() - celery_lease_last_sweep_timestamp_seconds`` (the sweeper is down).
+  each lease database (password masked) ran, as a Unix time: set by the process
+  that swept, and, with ``lease_worker_sweeper = False``, by each worker's main
+  process once per ``lease_sweep_interval`` after it has seen a recorded sweep. A
+  worker that never swept exports no series: alert on the ``max`` across workers,
+  and on its absence.
 - ``celery_lease_leader{role,database}``: 1 while this process holds the leader lease
   ``role`` of a lease database (``sweeper``: the worker that sweeps it; ``beat:<app>``:
   the ``LeaseScheduler`` that sends), else 0. Summed over a fleet it is 1 per role and
