@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -229,7 +230,10 @@ class LeaseConfig:
         The worker and tasks keep the result in the app's runtime
         (:func:`celery_lease.runtime.app_config`).
         """
-        return cls.from_mapping(_app_settings(app))
+        try:
+            return cls.from_mapping(_app_settings(app))
+        except ImproperlyConfigured as exc:
+            raise ImproperlyConfigured(_as_spelled(app, str(exc))) from None
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> LeaseConfig:
         """This config with per-task ``lease_*`` values applied and re-validated."""
@@ -455,7 +459,8 @@ def _database_url(value: Any) -> str:
     backend = url.get_backend_name()
     if backend not in DATABASES:
         raise ImproperlyConfigured(
-            f"lease_database_url uses {backend!r}; supported: sqlite, postgresql, mysql"
+            f"lease_database_url uses {backend!r}; supported: sqlite, postgresql, "
+            "mysql (and mariadb)"
         )
     return value
 
@@ -647,6 +652,15 @@ def network_broker_schemes(app: Celery) -> list[str]:
         if scheme not in LOCAL_BROKER_SCHEMES and scheme not in schemes:
             schemes.append(scheme)
     return schemes
+
+
+def _as_spelled(app: Celery, message: str) -> str:
+    """``message`` with each setting named as the user spelled it (``CELERY_LEASE_SECONDS``
+    with Django's ``namespace="CELERY"``), not as celery-lease reads it."""
+    for spelled, name in _lease_keys(app.conf):
+        if spelled != name:
+            message = re.sub(rf"\b{re.escape(name)}\b", spelled, message)
+    return message
 
 
 def _lease_keys(conf: Any) -> Iterator[tuple[str, str]]:

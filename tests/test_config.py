@@ -114,7 +114,7 @@ def test_task_options_override_app_settings(tmp_path: Any) -> None:
 
 
 def test_invalid_task_option_names_the_key(tmp_path: Any) -> None:
-    """A bad per-task option is reported with its key too."""
+    """A bad per-task option is reported with its task and its key."""
     app = Celery("cfg2", set_as_current=False)
     app.conf.lease_database_url = f"sqlite:///{tmp_path / 'x.db'}"
 
@@ -122,7 +122,7 @@ def test_invalid_task_option_names_the_key(tmp_path: Any) -> None:
     def job(self: LeasedTask) -> None:
         return None
 
-    with pytest.raises(ImproperlyConfigured, match="lease_busy_policy"):
+    with pytest.raises(ImproperlyConfigured, match=rf"^task {job.name}: lease_busy_policy"):
         job.lease_config()
 
 

@@ -221,7 +221,8 @@ def test_leased_task_writes_model_once_under_a_django_worker(
     [
         (
             {"CELERY_LEASE_SECONDS": -1},
-            "ImproperlyConfigured: lease_seconds must be a positive, finite number, got -1.0",
+            "ImproperlyConfigured: CELERY_LEASE_SECONDS must be a positive, finite number, "
+            "got -1.0",
         ),
         (
             {"CELERY_LEASE_SECONDZ": 10},

@@ -34,7 +34,7 @@ import inspect
 from typing import Any
 
 from celery import Celery, Task
-from celery.exceptions import Reject, Retry
+from celery.exceptions import ImproperlyConfigured, Reject, Retry
 from celery.utils.serialization import raise_with_context
 from kombu.exceptions import OperationalError
 
@@ -110,7 +110,12 @@ class LeasedTask(Task):  # type: ignore[misc]
                     value = value.__func__
                 if value is not None:
                     overrides[name] = value
-            cached = (self, app_config(self.app).with_overrides(overrides))
+            base = app_config(self.app)
+            try:
+                config = base.with_overrides(overrides)
+            except ImproperlyConfigured as exc:  # a task option's value
+                raise ImproperlyConfigured(f"task {self.name}: {exc}") from None
+            cached = (self, config)
             configs[self.name] = cached
         return cached[1]
 
