@@ -14,7 +14,7 @@ from celery_lease.errors import LeaseInputError
 from celery_lease.lease.heartbeat import Heartbeat
 from celery_lease.store.records import Progress
 
-from .cluster import SETUP_IDS, SETUPS, Cluster
+from .cluster import PG_AND_MARIADB, SETUP_IDS, SETUPS, Cluster
 from .helpers import driver_statements, held, wait_for
 from .workerapp import hostile_values
 
@@ -166,6 +166,31 @@ def test_database_refused_progress_is_dropped_for_its_run_alone_in_a_worker(
     log = worker.log()
     assert f"run {poisoned}: progress dropped" in log
     assert "heartbeat failed" not in log
+
+
+@PG_AND_MARIADB
+@pytest.mark.timeout(120)
+def test_a_run_holding_its_fenced_transactions_open_costs_no_other_run_its_lease(
+    cluster: Cluster,
+) -> None:
+    """A threads worker running 3 innocent runs beside one whose body holds fenced
+    transactions open for 1.2 s of its 2 s lease, back to back: every run keeps its
+    lease, runs once and commits once. Before, each renewal of the process's leases
+    waited for that run's row lock, gave up after its lock wait (a sixth of the lease) and
+    failed for every lease: the innocent runs lost theirs and ran again."""
+    worker = cluster.start(
+        "w1", pool="threads", concurrency=4, conf={**CONF, "lease_max_attempts": 3}, **SHORT
+    )
+    innocent = [cluster.send("reporter", 4.0) for _ in range(3)]
+    fencing = cluster.send("fences_long", 1.2, 4)
+    wait_for(
+        lambda: all(cluster.status(r) in ("succeeded", "failed") for r in [*innocent, fencing]),
+        60,
+        what="every run to finish",
+    )
+    assert _lost_or_double(cluster, [*innocent, fencing]) == []
+    log = worker.log()
+    assert "heartbeat failed" not in log and "held -> lost" not in log
 
 
 @pytest.mark.timeout(60)

@@ -1087,6 +1087,23 @@ def hand_over(lease: Any, kind: str) -> None:
         lease.progress(value)
 
 
+@app.task(base=LeasedTask, bind=True, name="workerapp.fences_long", lease_interrupt=False)
+def fences_long(self: LeasedTask, seconds: float, rounds: int) -> str:
+    """``rounds`` fenced transactions (each saving a checkpoint) held open ``seconds`` each,
+    back to back, then a fenced success: the run's row stays locked most of the time."""
+    lease = self.lease
+    record(lease.run_id, lease.attempt, "start")
+    for i in range(rounds):
+        with lease.transaction() as conn:
+            lease.fence(conn, checkpoint={"round": i})
+            time.sleep(seconds)
+        time.sleep(0.05)
+    with lease.transaction() as conn:
+        lease.fence(conn, complete=True)
+        record(lease.run_id, lease.attempt, "commit", conn)
+    return "fenced"
+
+
 @app.task(base=LeasedTask, bind=True, name="workerapp.reporter", lease_interrupt=False)
 def reporter(self: LeasedTask, seconds: float, step: float = 0.05) -> str:
     """An innocent run: report progress (and checkpoint) every ``step`` s for ``seconds``

@@ -29,6 +29,11 @@ class Heartbeat:
     without it and writes each run's progress alone, dropping what is still
     refused for that run only: one run's value never costs another its lease.
 
+    A lease whose fenced transaction is open is left out of the tick: its run's row
+    lock, held by that transaction, keeps every takeover out, and the renewal would
+    wait for it (and, batched, fail with every other lease of the process). It is
+    renewed by a tick the end of that transaction starts at once.
+
     The thread starts on the first :meth:`register`. Each tick waits the
     shortest ``heartbeat_interval`` among the registered leases. A database
     error is logged and retried. What a tick learns is reported to each
@@ -71,6 +76,7 @@ class Heartbeat:
         With ``start=False`` no thread is started: ticks happen only through
         :meth:`beat_once` (for tests and tools).
         """
+        lease.when_unfenced(self._wake.set)
         with self._lock:
             self._leases[lease.key] = lease
             if lease.heartbeat_interval < self.interval and lease.heartbeat_interval < (
@@ -100,7 +106,7 @@ class Heartbeat:
 
     def beat_once(self) -> HeartbeatResult | None:
         """Run one tick now: renew, and report the outcome to each lease. None on error."""
-        leases = [lease for lease in self.held() if lease.renewable]
+        leases = [lease for lease in self.held() if lease.renewable and not lease.fencing]
         if not leases:
             return None
         progress = {
@@ -110,32 +116,66 @@ class Heartbeat:
         }
         sent_at = self._clock()
         try:
-            try:
-                result = self.store.heartbeat((lease.key for lease in leases), progress)
-            except Exception:
-                if not progress:
-                    raise
-                # One run's progress may be what the database refused: renew every
-                # lease without it, then write each run's progress alone.
-                result = self.store.heartbeat(lease.key for lease in leases)
-                progress = self._isolate(leases, progress)
+            result, progress = self._renew(leases, progress)
         except Exception as exc:
-            self._failing = True
-            error = describe_exception(exc)
-            self.events.emit(
-                Event.HEARTBEAT_ERROR,
-                None,
-                "celery-lease heartbeat failed for %d lease(s): %s",
-                len(leases),
-                error,
-                level=logging.WARNING,
-                error=error,
-                keys=[lease.key for lease in leases],
-            )
-            now = self._clock()
-            for lease in leases:
-                lease.poll_deadline(now)
-            return None
+            if not any(lease.fencing for lease in leases):
+                self._failed(leases, exc)
+                return None
+            # A body fenced as the tick was sent: its row lock held the statement back.
+            # Renew the others without it.
+            leases = [lease for lease in leases if not lease.fencing]
+            if not leases:
+                return None
+            progress = {key: p for key, p in progress.items() if key in _keys(leases)}
+            sent_at = self._clock()
+            try:
+                result, progress = self._renew(leases, progress)
+            except Exception as again:
+                self._failed(leases, again)
+                return None
+        return self._report(leases, result, progress, sent_at)
+
+    def _failed(self, leases: list[Lease], exc: Exception) -> None:
+        """A tick that renewed nothing: log it; each lease's local deadline decides."""
+        self._failing = True
+        error = describe_exception(exc)
+        self.events.emit(
+            Event.HEARTBEAT_ERROR,
+            None,
+            "celery-lease heartbeat failed for %d lease(s): %s",
+            len(leases),
+            error,
+            level=logging.WARNING,
+            error=error,
+            keys=[lease.key for lease in leases],
+        )
+        now = self._clock()
+        for lease in leases:
+            lease.poll_deadline(now)
+
+    def _renew(
+        self, leases: list[Lease], progress: dict[LeaseKey, Progress]
+    ) -> tuple[HeartbeatResult, dict[LeaseKey, Progress]]:
+        """Renew ``leases`` in one statement with their ``progress``; the result, and the
+        progress written (each run's alone when the batch with it was refused)."""
+        try:
+            return self.store.heartbeat((lease.key for lease in leases), progress), progress
+        except Exception:
+            if not progress:
+                raise
+        # One run's progress may be what the database refused: renew every
+        # lease without it, then write each run's progress alone.
+        result = self.store.heartbeat(lease.key for lease in leases)
+        return result, self._isolate(leases, progress)
+
+    def _report(
+        self,
+        leases: list[Lease],
+        result: HeartbeatResult,
+        progress: dict[LeaseKey, Progress],
+        sent_at: float,
+    ) -> HeartbeatResult:
+        """Tell each lease what the tick sent at ``sent_at`` learned."""
         self._failing = False
         self.last_tick_seconds = self._clock() - sent_at
         self.events.emit(
@@ -236,3 +276,7 @@ class Heartbeat:
                     "celery-lease heartbeat tick crashed",
                     extra={"lease_event": Event.HEARTBEAT_ERROR, "run_id": None},
                 )
+
+
+def _keys(leases: list[Lease]) -> set[LeaseKey]:
+    return {lease.key for lease in leases}

@@ -265,6 +265,10 @@ class Lease:
         # and the transaction this lease fenced last (send_on_commit needs it).
         self._followups_used = 0
         self._fenced: Any = None
+        # A fenced transaction of this lease is open: it holds the run's row lock, which
+        # no takeover passes, and which a renewal of the row would wait for.
+        self._fence_open = False
+        self._unfenced: Callable[[], None] | None = None
 
     # -- what the body sees ------------------------------------------------------
 
@@ -335,6 +339,18 @@ class Lease:
         yet; ``completed``: committed).
         """
         return self._state in (LeaseState.COMPLETING, LeaseState.COMPLETED)
+
+    @property
+    def fencing(self) -> bool:
+        """True while a transaction this lease fenced is open (its row lock held): the
+        heartbeat leaves it out of its renewals, which would wait for that lock, and
+        renews it as soon as the transaction ends (see :meth:`when_unfenced`)."""
+        return self._fence_open
+
+    def when_unfenced(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (the heartbeat's wake-up) each time a fenced transaction of
+        this lease ends, on the thread that ends it."""
+        self._unfenced = callback
 
     @property
     def renewable(self) -> bool:
@@ -471,7 +487,8 @@ class Lease:
         text = None if checkpoint is _NO_CHECKPOINT else encode_checkpoint(checkpoint)
         messages = self._followup_messages(send)
         with self.uninterruptible(), self._span("fence", "completing" if complete else "held"):
-            if self._state is not LeaseState.COMPLETING and not self._fenced_now(connection):
+            again = self._fenced_now(connection)
+            if self._state is not LeaseState.COMPLETING and not again:
                 # Hooks of earlier transactions are spent; a second fence in the same
                 # transaction keeps the hooks of the first.
                 self._detach_hooks()
@@ -489,6 +506,9 @@ class Lease:
                 self.mark_lost(exc.reason)
                 raise
             self._fenced = connection.get_transaction()
+            if not again:
+                self._fence_open = True
+                self._on_transaction_end(connection, self._fence_ended, savepoints=False)
             if messages:
                 self._record_followups(connection, messages)
             if complete:
@@ -875,6 +895,15 @@ class Lease:
             connection, lambda committed: self._transaction_ended(committed=committed)
         )
 
+    def _fence_ended(self, committed: bool) -> None:
+        """The fenced transaction ended, and with it the row lock: the heartbeat may renew
+        this lease again, at once. (A savepoint's rollback does not count: InnoDB keeps
+        the row lock taken inside it until the transaction ends.)"""
+        self._fence_open = False
+        wake = self._unfenced
+        if wake is not None:
+            wake()
+
     def _checkpoint_on_commit(self, connection: Connection, text: str) -> None:
         """After ``fence(conn, checkpoint=...)``: the checkpoint is this lease's latest once
         ``connection``'s transaction commits (a rollback, of it or of a savepoint open
@@ -887,10 +916,13 @@ class Lease:
 
         self._on_transaction_end(connection, ended)
 
-    def _on_transaction_end(self, connection: Connection, ended: Callable[[bool], None]) -> None:
+    def _on_transaction_end(
+        self, connection: Connection, ended: Callable[[bool], None], *, savepoints: bool = True
+    ) -> None:
         """Call ``ended(True)`` when ``connection``'s transaction commits, ``ended(False)``
-        when it, or a savepoint open now around this point, rolls back; once."""
-        enclosing = _open_savepoints(connection)
+        when it, or (with ``savepoints``) a savepoint open now around this point, rolls
+        back; once."""
+        enclosing = _open_savepoints(connection) if savepoints else []
         done = False
 
         def on_commit(conn: Connection) -> None:
@@ -911,11 +943,13 @@ class Lease:
                 done = True
                 ended(False)
 
-        for name, fn in (
+        listeners: list[tuple[str, Callable[..., None]]] = [
             ("commit", on_commit),
             ("rollback", on_rollback),
-            ("rollback_savepoint", on_rollback_savepoint),
-        ):
+        ]
+        if savepoints:
+            listeners.append(("rollback_savepoint", on_rollback_savepoint))
+        for name, fn in listeners:
             event.listen(connection, name, fn)
             self._hooks.append((connection, name, fn))
 
@@ -965,6 +999,7 @@ class Lease:
         # Never from a hook: SQLAlchemy's dispatch loop cannot lose a listener
         # while it runs. Spent hooks are no-ops until removed here.
         self._fenced = None
+        self._fence_open = False
         hooks, self._hooks = self._hooks, []
         for connection, name, fn in hooks:
             with contextlib.suppress(Exception):
