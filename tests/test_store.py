@@ -186,6 +186,8 @@ def test_attempts_exhausted_fails_without_running(store: LeaseStore) -> None:
     assert (result.outcome, result.status) == ("finished", "failed")
     row = store.get("r1")
     assert row is not None and row.failure_code == "lease_expired" and row.attempt == 1
+    # As a sweep words it (a redelivery's claim said "attempts exhausted: 1 of 1 used").
+    assert row.last_error == "lease expired on attempt 1 of 1 (worker lost or stalled)"
 
 
 def test_fence_holds_the_row_inside_the_callers_transaction(store: LeaseStore) -> None:

@@ -453,8 +453,11 @@ class LeaseStore:
                     )
                 continue
             if claimable and attempt >= max_attempts:
-                code = "lease_expired" if status == schema.RUNNING else "attempts_exhausted"
-                error = f"attempts exhausted: {attempt} of {max_attempts} used"
+                if status == schema.RUNNING:  # its last attempt's holder died: as a sweep says
+                    code, error = "lease_expired", _expired_last(attempt, max_attempts)
+                else:
+                    code = "attempts_exhausted"
+                    error = f"attempts exhausted: {attempt} of {max_attempts} used"
                 if self._end_unclaimable(run_id, status, attempt, schema.FAILED, code, error):
                     return ClaimResult(
                         "finished", run_id, owner, attempt, schema.FAILED, task_id=task_id
@@ -1009,8 +1012,7 @@ class LeaseStore:
             status = FAILED
             values.update(
                 failure_code="lease_expired",
-                last_error=f"lease expired on attempt {record.attempt} of {record.max_attempts}"
-                " (worker lost or stalled)",
+                last_error=_expired_last(record.attempt, record.max_attempts),
                 finished_at=now,
             )
         else:
@@ -1473,3 +1475,8 @@ def _sqlite_file(database: str) -> str | None:
     if database == ":memory:" or database.startswith("file:"):
         return None
     return os.path.realpath(database)
+
+
+def _expired_last(attempt: int, max_attempts: int) -> str:
+    """``last_error`` of a run whose last attempt's lease expired."""
+    return f"lease expired on attempt {attempt} of {max_attempts} (worker lost or stalled)"
