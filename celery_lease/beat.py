@@ -22,7 +22,7 @@ the slot unrecorded, its successor sends it again under the same task id, and
 the run's own lease drops the duplicate; a stalled ex-leader's late send is
 dropped the same way, and its record is refused. A tick of any other task is
 recorded first, then sent: it is never sent twice, and is lost if its beat dies
-between the two.
+between the two or the broker refuses it (as Celery's own beat loses it).
 """
 
 from __future__ import annotations
@@ -272,8 +272,9 @@ class LeaseScheduler(Scheduler):  # type: ignore[misc]
             app_runtime(self.app).events.emit(
                 Event.BEAT_COALESCED,
                 None,
-                "celery-lease beat: %s: %d tick(s) fell due while no beat led, longer ago "
-                "than the catch-up window: sending the one due at %s",
+                "celery-lease beat: %s: %d tick(s) fell due unsent (no beat led, or the "
+                "broker refused them), longer ago than the catch-up window: sending the one "
+                "due at %s",
                 name,
                 skipped,
                 _to_datetime(due).isoformat(),
