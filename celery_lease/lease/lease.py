@@ -268,6 +268,7 @@ class Lease:
         # A fenced transaction of this lease is open: it holds the run's row lock, which
         # no takeover passes, and which a renewal of the row would wait for.
         self._fence_open = False
+        self._passed_over = False  # a tick left it out while its transaction was open
         self._unfenced: Callable[[], None] | None = None
 
     # -- what the body sees ------------------------------------------------------
@@ -348,9 +349,14 @@ class Lease:
         return self._fence_open
 
     def when_unfenced(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (the heartbeat's wake-up) each time a fenced transaction of
-        this lease ends, on the thread that ends it."""
+        """Call ``callback`` (the heartbeat's wake-up) when a fenced transaction of this
+        lease that a tick passed over (:meth:`passed_over`) ends, on the thread that ends
+        it. A transaction no tick met costs no renewal of its own."""
         self._unfenced = callback
+
+    def passed_over(self) -> None:
+        """The heartbeat left this lease out of a tick: its fenced transaction was open."""
+        self._passed_over = True
 
     @property
     def renewable(self) -> bool:
@@ -897,11 +903,12 @@ class Lease:
 
     def _fence_ended(self, committed: bool) -> None:
         """The fenced transaction ended, and with it the row lock: the heartbeat may renew
-        this lease again, at once. (A savepoint's rollback does not count: InnoDB keeps
-        the row lock taken inside it until the transaction ends.)"""
+        this lease again, at once if a tick passed it over. (A savepoint's rollback does
+        not count: InnoDB keeps the row lock taken inside it until the transaction ends.)"""
         self._fence_open = False
         wake = self._unfenced
-        if wake is not None:
+        if self._passed_over and wake is not None:
+            self._passed_over = False
             wake()
 
     def _checkpoint_on_commit(self, connection: Connection, text: str) -> None:
