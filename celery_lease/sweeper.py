@@ -59,7 +59,8 @@ def sweep(
     ``lease_retention``, and record the sweep there under ``name``.
 
     Expired ``running`` leases are handed back and re-enqueued (or end
-    ``failed``/``cancelled``); ``retrying`` runs available for longer than
+    ``failed``/``cancelled``), ``limit`` at a time, batch after batch while they come
+    full, for at most half of ``lease_sweep_interval``; ``retrying`` runs available for longer than
     ``stale_after`` seconds (default: sweep interval + lease length) without a
     claim are re-enqueued too, since their message was lost; a run the sweeper
     already published ``max_attempts`` times since its last claim ends
@@ -81,23 +82,32 @@ def sweep(
     events = app_runtime(app).events
     started = time.monotonic()
     report = SweepReport()
-    to_requeue: list[RunRecord] = []
-    for record, status in store.sweep_expired(limit, leader=leader):
-        if status == FAILED:
-            report.failed.append(record.id)
-            events.emit(
-                Event.SWEPT,
-                record.id,
-                "run %s: lease expired, attempts spent",
-                record.id,
-                action="failed",
-            )
-        elif status == CANCELLED:
-            report.cancelled.append(record.id)
-            events.emit(Event.SWEPT, record.id, "run %s: cancelled", record.id, action="cancelled")
-        else:
-            to_requeue.append(record)
-    requeue_all(app, to_requeue, report, "expired", store)
+    # Batches of ``limit`` while they come full (a worker with many runs died), for at
+    # most half a sweep interval: the next sweep goes on from there.
+    expired_until = started + max(1.0, config.sweep_interval / 2)
+    while True:
+        batch = store.sweep_expired(limit, leader=leader)
+        to_requeue: list[RunRecord] = []
+        for record, status in batch:
+            if status == FAILED:
+                report.failed.append(record.id)
+                events.emit(
+                    Event.SWEPT,
+                    record.id,
+                    "run %s: lease expired, attempts spent",
+                    record.id,
+                    action="failed",
+                )
+            elif status == CANCELLED:
+                report.cancelled.append(record.id)
+                events.emit(
+                    Event.SWEPT, record.id, "run %s: cancelled", record.id, action="cancelled"
+                )
+            else:
+                to_requeue.append(record)
+        requeue_all(app, to_requeue, report, "expired", store)
+        if len(batch) < limit or time.monotonic() >= expired_until:
+            break
     if stale_after is None:
         stale_after = config.sweep_interval + config.lease_seconds
     stranded: list[RunRecord] = []
