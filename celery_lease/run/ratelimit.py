@@ -22,8 +22,6 @@ nothing.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
-from typing import Any
 
 from ..config import LeaseConfig
 from ..errors import LeaseError
@@ -59,15 +57,7 @@ class RateLimit(RunHook[Delivery]):
         key = rate_key(delivery.task_name, config, delivery.args, delivery.kwargs)
         flow = delivery.store.flow
         slot = slot_of(delivery.request)
-        # Its recorded slot is spent either way. Delivered a period or more after it (its
-        # worker died holding it and the broker sent it again, or the broker held it up),
-        # it takes a new one: others hold the slots of now, and late ones would start
-        # together.
-        if (
-            slot is not None
-            and flow.use_slot(slot, str(delivery.request.id))
-            and not _late(delivery.request, period)
-        ):
+        if slot is not None and flow.use_slot(slot, str(delivery.request.id)):
             delivery.feature_state[self] = key
             return None
         wait_ms, due_ms = flow.reserve_rate(delivery.task_name, key, period, config.rate_burst)
@@ -154,19 +144,3 @@ def defer(delivery: Delivery, key: str, wait_ms: int, due_ms: int) -> None:
         key=key,
         retry_in=wait,
     )
-
-
-def _late(request: Any, period_ms: int) -> bool:
-    """True when the delivery ``request``, sent for its rate slot with a countdown, came a
-    period or more after its ETA (on this host's clock). A delivery with no ETA (the
-    flow pump publishes a slot's delivery when due) is on time."""
-    eta: Any = getattr(request, "eta", None)
-    if isinstance(eta, str):
-        try:
-            eta = datetime.fromisoformat(eta)
-        except ValueError:
-            return False
-    if not isinstance(eta, datetime):
-        return False
-    due: datetime = eta if eta.tzinfo is not None else eta.replace(tzinfo=timezone.utc)
-    return (datetime.now(timezone.utc) - due).total_seconds() * 1000 >= period_ms
