@@ -141,7 +141,8 @@ class Heartbeat:
             leases = [lease for lease in leases if not lease.fencing]
             if not leases:
                 return None
-            progress = {key: p for key, p in progress.items() if key in _keys(leases)}
+            kept = {lease.key for lease in leases}
+            progress = {key: p for key, p in progress.items() if key in kept}
             sent_at = self._clock()
             try:
                 result, progress = self._renew(leases, progress)
@@ -291,7 +292,3 @@ class Heartbeat:
                     "celery-lease heartbeat tick crashed",
                     extra={"lease_event": Event.HEARTBEAT_ERROR, "run_id": None},
                 )
-
-
-def _keys(leases: list[Lease]) -> set[LeaseKey]:
-    return {lease.key for lease in leases}
