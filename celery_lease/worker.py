@@ -43,7 +43,6 @@ from .runtime import (
     app_runtime,
     lease_databases,
     runtime_for,
-    shutting_down,
 )
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .store import OTHER_DELIVERY, RunNotFound
@@ -418,8 +417,8 @@ def _on_task_revoked(
     """
     if not isinstance(sender, LeasedTask) or request is None or not request.id:
         return
-    if kwargs.get("terminated") and _terminated_by_shutdown(sender.app, request.id):
-        return  # the shutdown's hand-back gives the run back: no one asked to cancel it
+    if kwargs.get("terminated") and not _revoke_named(request):
+        return  # Celery ended the body itself (a cold shutdown): no one asked to cancel it
     try:
         run_id = run_id_of(sender.name, sender.lease_config(), request)
         store = runtime_for(sender.app, sender.lease_config()).store
@@ -446,12 +445,32 @@ def _on_task_revoked(
     )
 
 
-def _terminated_by_shutdown(app: Celery, task_id: str) -> bool:
-    """True for a body Celery itself terminated in a cold shutdown (its pool child killed,
-    reported as ``Terminated``): no ``revoke()`` named the task id."""
+def _revoke_named(request: Any) -> bool:
+    """True if a ``revoke()`` named this delivery: by task id, or by a stamped header
+    (``revoke_by_stamped_headers``), as the worker's control command records them.
+
+    A body reported as ``Terminated`` that no revoke named was ended by Celery
+    itself: a cold shutdown cancels its running bodies before it counts as
+    shutting down, and with a threaded pool (a broker without an event loop,
+    such as ``filesystem://``) the pool's own thread reports the killed body
+    while the shutdown still records its retry in the result backend. Such a
+    run is handed back, never cancelled, whatever the timing.
+    """
     from celery.worker import state
 
-    return shutting_down(app) and task_id not in state.revoked
+    if request.id in state.revoked:
+        return True
+    stamps = getattr(request, "stamps", None) or {}
+    for header in getattr(request, "stamped_headers", None) or ():
+        revoked = state.revoked_stamps.get(header)
+        if revoked is None:
+            continue
+        revoked = revoked if isinstance(revoked, (list, tuple, set)) else [revoked]
+        values = stamps.get(header)
+        values = values if isinstance(values, (list, tuple)) else [values]
+        if any(value in revoked for value in values):
+            return True
+    return False
 
 
 def _on_worker_process_shutdown(app: Celery) -> None:

@@ -133,6 +133,24 @@ def test_revoke_terminate_cancels_the_run(cluster: Cluster) -> None:
 
 @SQLITE_FS
 @pytest.mark.timeout(90)
+def test_revoke_by_stamped_headers_with_terminate_cancels_the_run(cluster: Cluster) -> None:
+    """revoke_by_stamped_headers(terminate=True) names the run as revoke(terminate=True)
+    does: the body is killed and the run ends cancelled (a body Celery ends by itself,
+    as in a cold shutdown, is handed back instead)."""
+    cluster.start("w1", conf=FAST, **SHORT)
+    cluster.start_beat({"lease_sweep_interval": 0.5, **FAST})
+    batch = uuid.uuid4().hex
+    running = sig(cluster, "spin", 30.0).apply_async(stamped_headers=["batch"], batch=batch).id
+    wait_for(lambda: cluster.effects(running, "start"), 30, what="the body to start")
+    cluster.producer.control.revoke_by_stamped_headers(
+        {"batch": batch}, terminate=True, signal="SIGKILL"
+    )
+    wait_for(lambda: cluster.status(running) == "cancelled", 30, what="cancelled")
+    assert len(cluster.effects(running, "start")) == 1
+
+
+@SQLITE_FS
+@pytest.mark.timeout(90)
 def test_revoking_a_duplicate_leaves_the_run_alone_and_says_so(cluster: Cluster) -> None:
     """revoke() of a duplicate's task id: the run goes on and succeeds, and the log says it
     was left alone (it said the run "is cancel-requested")."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import time
 
 import pytest
@@ -275,6 +276,37 @@ def test_cold_shutdown_hands_lease_back_well_before_expiry(cluster: Cluster) -> 
     assert "delivery handed on" not in w1.log()
     wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="w2 to finish")
     assert [e.attempt for e in cluster.effects(run_id, "body_end")] == [2]
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
+def test_a_cold_shutdown_while_the_result_backend_is_busy_hands_the_run_on(
+    cluster: Cluster,
+) -> None:
+    """A cold shutdown cancels the body and records a retry in the result backend before it
+    counts as shutting down. Behind a busy backend (here: SQLite, its file locked by another
+    writer), the pool's own thread reports the killed body as terminated in the meantime;
+    that is no revoke(), and the run is handed on, not cancelled."""
+    timing = {"CL_LEASE_SECONDS": "40", "CL_HEARTBEAT": "1"}
+    w1 = cluster.start("w1", **timing)
+    run_id = cluster.send("workerapp.spin", 6.0)
+    wait_for(lambda: cluster.effects(run_id, "start"), 30, what="w1 to start the run")
+    w2 = cluster.start("w2", **timing)
+    results = sqlite3.connect(cluster.tmp_path / "results.sqlite3", isolation_level=None)
+    try:
+        results.execute("BEGIN IMMEDIATE")  # another writer holds the results file
+        w1.proc.send_signal(signal.SIGQUIT)
+        # The pool reports the body it killed well within this (it checks every 0.1 s).
+        wait_for(lambda: "Ctrl+C again" in w1.log(), 30, what="w1 to start its cold shutdown")
+        time.sleep(1.5)
+    finally:
+        results.execute("ROLLBACK")
+        results.close()
+    w1.proc.wait(30)
+    assert "revoked" not in w1.log()
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 60, what="w2 to finish the run")
+    assert [e.attempt for e in cluster.effects(run_id, "body_end")] == [2]
+    assert f"run {run_id}: claimed attempt 2" in w2.log()
 
 
 @SQLITE_FS
