@@ -304,6 +304,7 @@ def _record_leased_run(
             task_id=row.task_id,
             payload=row.payload,
             payload_content_type=row.payload_content_type,
+            retries=int(options.get("retries") or 0),
             lease_ms=config.lease_ms,
             max_attempts=config.max_attempts,
             concurrency_key=concurrency_key(row.task_name, config, args, kwargs),

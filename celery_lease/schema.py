@@ -116,6 +116,10 @@ runs = Table(
     Column("task_id", String(255), nullable=True),
     Column("payload", PayloadType, nullable=True),
     Column("payload_content_type", String(64), nullable=True),
+    # Celery's ``retries`` of that message. A delivery under the same task id with fewer
+    # retries is an older copy of the run's message (e.g. the original of a retry,
+    # redelivered because its ack failed): the claim refuses it as stale.
+    Column("payload_retries", Integer, nullable=False, server_default=text("0")),
     # The body's return value, serialized (at most MAX_RESULT_BYTES): the run's
     # outcome for Celery's result backend when Celery's own record is missing.
     Column("result", PayloadType, nullable=True),

@@ -229,6 +229,32 @@ def test_celery_retry_refused_by_the_broker_is_kept_for_the_sweeper(
 
 
 @pytest.mark.timeout(90)
+def test_the_original_of_a_refused_retry_delivered_again_is_dropped_as_an_older_copy(
+    pg_url: str,
+    private_redis: PrivateRedis,
+    tmp_path: Path,
+    workers: list[Worker],
+) -> None:
+    """Under ``acks_late``, a broker outage at a retry's publish fails the original
+    message's ack too, and the broker delivers that message again once it is back
+    (RabbitMQ does; here the test sends the copy). That copy (``retries`` 0) took the run's
+    next attempt: the body ran once more, with ``request.retries`` one lower than the
+    retry's. It is dropped as an older copy now; the retry the sweeper sends runs."""
+    cluster = Cluster(pg_url, {"CL_BROKER_URL": private_redis.url}, tmp_path, workers)
+    try:
+        worker, run_id = _broker_stopped_at_publish(cluster, private_redis, "retry_later", 1.0)
+        wait_for(lambda: "refused the retry" in worker.log(), 30, what="the refused retry")
+        private_redis.start()  # empty, but for the original message delivered again:
+        cluster.send("retry_later", 1.0, task_id=run_id)
+        wait_for(lambda: "an older copy" in worker.log(), 30, what="the copy dropped")
+        cluster.start_beat(CONF)
+        wait_for(lambda: cluster.status(run_id) == "succeeded", 40, what="the sweeper's re-send")
+        assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(90)
 def test_a_failure_whose_retry_the_broker_refuses_is_no_lost_lease(
     pg_url: str,
     private_redis: PrivateRedis,

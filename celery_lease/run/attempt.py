@@ -293,6 +293,8 @@ class Attempt:
                 if request.called_directly:
                     return None  # a plain call of a finished run: nothing to do
                 return duplicates.on_finished(delivery, claim)
+            if claim.outcome == "stale":
+                duplicates.on_stale(delivery, claim)
             republish.on_busy(delivery, claim)
         for hook in hooks.claimed:
             _call(hook.claimed, delivery, claim)
@@ -470,7 +472,9 @@ class Attempt:
         cause = exc.exc if isinstance(exc.exc, BaseException) else None
         message = None
         if exc.sig is not None and not self.direct:
-            message = self.delivery.encode(dict(exc.sig))
+            sig = dict(exc.sig)
+            retries = (sig.get("options") or {}).get("retries", self.delivery.request.retries + 1)
+            message = (*self.delivery.encode(sig), int(retries))
         lease.ending()
         try:
             self.delivery.store.fail(

@@ -153,18 +153,19 @@ class Delivery:
 
     def stored_message(self) -> dict[str, Any]:
         """The delivery's message as Celery would re-send it, for the sweeper: the claim's
-        ``payload`` and ``payload_content_type``.
+        ``payload``, ``payload_content_type`` and its Celery ``retries``.
 
         What ``signature_from_request`` keeps: task id, chain, chord, group,
         links, parent/root ids, headers, retries, routing, expiry, time limits.
         A plain call or an eager ``apply()`` stores none: no sweep may send it
         to workers.
         """
+        retries = int(self.request.retries or 0)
         if self.direct:
-            return {"payload": None, "payload_content_type": None}
+            return {"payload": None, "payload_content_type": None, "retries": retries}
         signature = self.task.signature_from_request(self.request, self.args, self.kwargs)
         data, content_type = self.encode(dict(signature))
-        return {"payload": data, "payload_content_type": content_type}
+        return {"payload": data, "payload_content_type": content_type, "retries": retries}
 
     def encode(self, message: dict[str, Any]) -> tuple[bytes, str]:
         """``message`` serialized with the task's serializer: ``(bytes, content type)``."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import states
 from celery.exceptions import Ignore
@@ -89,6 +89,28 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     if same and _celery_state(delivery, own_id) == states.FAILURE:
         raise Ignore()
     raise _failure_of(delivery, claim)
+
+
+def on_stale(delivery: Delivery, claim: ClaimResult) -> NoReturn:
+    """An older copy of the run's own message: the body does not run, nothing is written.
+
+    Same task id, fewer Celery ``retries`` than the message the run keeps, such as the
+    original of a retry that the broker delivered again because its ack failed (a broker
+    outage under ``acks_late``). The run goes on with the message it keeps (the retry, sent
+    by Celery or by the sweeper), whose outcome Celery stores under this same task id.
+    """
+    delivery.events.emit(
+        Event.DUPLICATE_DROPPED,
+        claim.run_id,
+        "run %s is %s with a later message of task %s: delivery dropped (an older copy, "
+        "retries %d)",
+        claim.run_id,
+        claim.status,
+        delivery.request.id,
+        delivery.request.retries or 0,
+        status=claim.status,
+    )
+    raise Ignore()
 
 
 def _replay_own(delivery: Delivery, claim: ClaimResult) -> Any:

@@ -300,13 +300,15 @@ def keep_for_sweeper(
     request, run_id, events = delivery.request, delivery.run_id, delivery.events
     try:
         config = delivery.config
-        data, content_type = delivery.encode(dict(signature))
+        message = dict(signature)
+        data, content_type = delivery.encode(message)
         kept = delivery.store.keep_delivery(
             run_id,
             task_name=delivery.task.name,
             task_id=str(request.id),
             payload=data,
             payload_content_type=content_type,
+            retries=int((message.get("options") or {}).get("retries") or 0),
             lease_ms=config.lease_ms,
             max_attempts=config.max_attempts,
             available_in=countdown,

@@ -592,6 +592,9 @@ def upsert_kept(insert: Any, auto: Engine, waiting: dict[str, Any], adopt: Any, 
                 (adopt, excluded.payload_content_type),
                 else_=runs.c.payload_content_type,
             ),
+            "payload_retries": sqlalchemy.case(
+                (adopt, excluded.payload_retries), else_=runs.c.payload_retries
+            ),
         },
         where=keeps,
     ).returning(runs.c.id)

@@ -240,6 +240,7 @@ class LeaseStore:
         payload: bytes | None = None,
         payload_content_type: str | None = None,
         task_id: str | None = None,
+        retries: int = 0,
         trace_context: str | None = None,
     ) -> ClaimResult:
         """Insert the run or take it over, atomically; ``attempt`` grows by one per claim.
@@ -251,6 +252,9 @@ class LeaseStore:
         ``concurrency``) while that many live leases share ``concurrency_key``;
         the count and the claim happen under one lock on the key. ``task_id``
         is the claiming delivery's Celery task id, recorded as the run's own.
+        ``retries`` is the delivery's Celery ``retries``, kept with its message: a later
+        delivery under the same task id with fewer is an older copy of the run's message
+        (the original of a retry, delivered again), refused as ``stale``.
         ``trace_context`` is the claiming attempt's W3C ``traceparent``: a
         takeover keeps it with the first ``traceparent`` the row held (the
         attempt it continues) in the same statement, and the result returns both.
@@ -280,6 +284,7 @@ class LeaseStore:
             "task_id": task_id,
             "payload": payload,
             "payload_content_type": payload_content_type,
+            "payload_retries": retries,
             "trace_context": trace_context,
         }
         limit = max_concurrency if concurrency_key is not None else None
@@ -431,6 +436,7 @@ class LeaseStore:
                         runs.c.available_at - now,
                         runs.c.task_id,
                         runs.c.max_attempts,
+                        runs.c.payload_retries,
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
@@ -438,10 +444,14 @@ class LeaseStore:
                 if paused is not None:
                     return ClaimResult("paused", run_id, owner, 0, schema.QUEUED, reason=paused)
                 return ClaimResult("busy", run_id, owner, 0, schema.QUEUED, 0.0)
-            status, attempt, cancel_requested, lease_left, available_left, task_id, ceiling = row
-            max_attempts = max(max_attempts, int(ceiling))
+            status, attempt, cancel_requested, lease_left, available_left, task_id = row[:6]
+            max_attempts = max(max_attempts, int(row[6]))
             if status in schema.TERMINAL_STATUSES:
                 return ClaimResult("finished", run_id, owner, attempt, status, task_id=task_id)
+            # An older copy of the run's own message (same task id, fewer retries).
+            stale = task_id is not None and task_id == values["task_id"]
+            if stale and int(row[7]) > values["payload_retries"]:
+                return ClaimResult("stale", run_id, owner, attempt, status, task_id=task_id)
             wait_ms = lease_left if status == schema.RUNNING else available_left
             claimable = wait_ms is None or wait_ms <= 0
             if claimable and cancel_requested is not None:
@@ -802,14 +812,14 @@ class LeaseStore:
         error: str,
         failure_code: str,
         retry_in: float | None,
-        message: tuple[bytes, str] | None = None,
+        message: tuple[bytes, str, int] | None = None,
     ) -> str:
         """Record a failed attempt: ``retrying`` after ``retry_in`` s, or ``failed`` when None.
 
         Guarded like :meth:`complete`. Returns the new status. ``message``
-        (payload, content type) replaces the stored message of a retrying run,
-        e.g. with the retry Celery published; a failed run keeps its message for
-        ``lease rerun``.
+        (payload, content type, its Celery ``retries``) replaces the stored message of a
+        retrying run, e.g. with the retry Celery published; a failed run keeps its message
+        for ``lease rerun``.
         """
         now = db_now_ms()
         status = FAILED if retry_in is None else RETRYING
@@ -825,7 +835,9 @@ class LeaseStore:
         else:
             values["available_at"] = now + round(retry_in * 1000)
             if message is not None:
-                values.update(payload=message[0], payload_content_type=message[1])
+                values.update(
+                    payload=message[0], payload_content_type=message[1], payload_retries=message[2]
+                )
         self._guarded_update(run_id, owner, attempt, "fail", **values)
         return status
 
@@ -927,6 +939,7 @@ class LeaseStore:
         max_attempts: int,
         available_in: float = 0.0,
         concurrency_key: str | None = None,
+        retries: int = 0,
     ) -> bool:
         """Leave a delivery the broker refused to the sweeper; True when a sweep will send it.
 
@@ -936,7 +949,8 @@ class LeaseStore:
         has no stored message, which it then takes) is left as it is:
         ``queued``/``retrying`` rows are reclaimed, a ``running`` one ends or is
         handed back by :meth:`sweep_expired`. A terminal row, or one whose own
-        delivery has another task id, cannot carry this delivery: False.
+        delivery has another task id, cannot carry this delivery: False. ``retries`` is
+        the message's Celery ``retries``, kept with it.
         """
         now = db_now_ms()
         waiting = {
@@ -952,6 +966,7 @@ class LeaseStore:
             "task_id": task_id,
             "payload": payload,
             "payload_content_type": payload_content_type,
+            "payload_retries": retries,
             "created_at": now,
             "updated_at": now,
         }

@@ -51,7 +51,7 @@ from .database import (
     unresolvable_host,
 )
 from .driver import DriverStatement
-from .sql import claimable, insert_source, not_paused, takeover_values
+from .sql import claimable, insert_source, not_paused, not_stale, stale_floor, takeover_values
 
 if TYPE_CHECKING:
     from alembic.operations import Operations
@@ -94,7 +94,12 @@ class LockedClaim:
         else:
             changed = conn.execute(
                 update(runs)
-                .where(runs.c.id == values["id"], claimable(max_attempts), unpaused)
+                .where(
+                    runs.c.id == values["id"],
+                    claimable(max_attempts),
+                    not_stale(values["task_id"], stale_floor(values)),
+                    unpaused,
+                )
                 # In the order given: MySQL's SET sees the columns it assigned already.
                 .ordered_values(
                     *takeover_values(values["lease_owner"], lease_ms, max_attempts, values).items()
@@ -380,6 +385,7 @@ class MySQL(Database):
             "task_id": waiting["task_id"],
             "payload": waiting["payload"],
             "payload_content_type": waiting["payload_content_type"],
+            "payload_retries": waiting["payload_retries"],
         }
         with engine.begin() as conn:
             found = conn.execute(

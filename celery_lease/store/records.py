@@ -15,7 +15,7 @@ OTHER_DELIVERY = "another delivery's"
 #: (deadlock, serialization failure, duplicate insert) before reporting busy.
 CLAIM_CONTENTION_TRIES = 8
 
-ClaimOutcome = Literal["claimed", "busy", "finished", "paused"]
+ClaimOutcome = Literal["claimed", "busy", "finished", "paused", "stale"]
 
 #: Rows one retention statement deletes at most: a short transaction on every dialect.
 PURGE_BATCH = 1000
@@ -52,6 +52,8 @@ class ClaimResult:
     ``busy``: another live lease (or a backoff) blocks it; retry in ``retry_in`` s.
     ``finished``: the run is terminal (``status``); the body must not run.
     ``paused``: the run's task (or its concurrency key) is paused; ``reason`` is the pause's.
+    ``stale``: the delivery is an older copy of the run's own message (same task id, fewer
+    Celery ``retries`` than the message the row keeps); the body must not run.
     """
 
     outcome: ClaimOutcome
@@ -136,6 +138,9 @@ class RunRecord:
     trace_context: str | None = None
     #: Raised only by ``lease rerun --force`` of a succeeded run (idempotency keys).
     generation: int = 0
+    #: Celery's ``retries`` of the stored message: a delivery under the run's task id
+    #: with fewer is an older copy of it, refused by the claim.
+    payload_retries: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -186,6 +186,7 @@ def takeover_values(
         "task_id": values["task_id"],
         "payload": values["payload"],
         "payload_content_type": values["payload_content_type"],
+        "payload_retries": values["payload_retries"],
         "lease_ms": lease_ms,
         "lease_expires_at": now + lease_ms,
         "heartbeat_at": now,
@@ -198,6 +199,23 @@ def takeover_values(
         "updated_at": now,
         "trace_context": continued_trace(values["trace_context"]),
     }
+
+
+def not_stale(task_id: Any, retries_floor: Any) -> Any:
+    """The delivery is no older copy of the run's own message: another task id, or at least
+    as many Celery ``retries`` as the message the row keeps (``payload_retries``).
+
+    ``retries_floor`` is the delivery's ``retries`` (:func:`stale_floor`). A delivery
+    without a task id compares as another one (SQL's ``<>`` with NULL is not true, so its
+    floor admits every row).
+    """
+    return or_(runs.c.task_id != task_id, runs.c.payload_retries <= retries_floor)
+
+
+def stale_floor(values: dict[str, Any]) -> int:
+    """What :func:`not_stale` compares ``payload_retries`` with: the delivery's ``retries``,
+    or, for a delivery without a task id, a value every row is under."""
+    return int(values["payload_retries"]) if values["task_id"] is not None else 2**31 - 1
 
 
 def continued_trace(trace_context: Any) -> Any:
@@ -294,18 +312,25 @@ def claim_upsert(insert: InsertBuilder) -> Any:
         "task_id": bindparam("p_task_id", type_=String),
         "payload": bindparam("p_payload", type_=PayloadType),
         "payload_content_type": bindparam("p_payload_content_type", type_=String),
+        "payload_retries": bindparam("p_payload_retries", type_=Integer),
         "trace_context": bindparam("p_trace_context", type_=String),
     }
+    fresh = not_stale(values["task_id"], bindparam("p_floor", type_=Integer))
     unpaused = not_paused(values["task_name"], values["concurrency_key"])
     upsert = insert(runs).from_select(*insert_source(values, lease_ms))
     # The proposed row's clock reading is the takeover's now: the statement then stays
     # under psycopg's 4 KiB query cache (a longer one is parsed again on every claim,
     # about 0.1 ms of CPU each), whatever the clock's SQL.
     now = upsert.excluded.heartbeat_at
+    # The proposed row's columns where they are shorter to name than their parameters.
+    proposed = {name: upsert.excluded[name] for name in ("task_id", "payload_retries")}
     return upsert.on_conflict_do_update(
         index_elements=[runs.c.id],
-        set_=takeover_values(values["lease_owner"], lease_ms, max_attempts, values, now),
-        where=and_(claimable(max_attempts), unpaused),
+        set_={
+            **takeover_values(values["lease_owner"], lease_ms, max_attempts, values, now),
+            **proposed,
+        },
+        where=and_(claimable(max_attempts), fresh, unpaused),
     ).returning(
         runs.c.attempt,
         runs.c.lease_expires_at,
@@ -328,6 +353,8 @@ def claim_params(values: dict[str, Any], lease_ms: int, max_attempts: int) -> di
         "p_task_id": values["task_id"],
         "p_payload": values["payload"],
         "p_payload_content_type": values["payload_content_type"],
+        "p_payload_retries": values["payload_retries"],
+        "p_floor": stale_floor(values),
         "p_trace_context": values["trace_context"],
     }
 
