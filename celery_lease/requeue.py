@@ -108,11 +108,14 @@ def header_value(request: Any, name: str) -> Any:
 
 def callers_publish(request: Any) -> bool:
     """True when the delivery ``request`` is a caller's publish (``apply_async``, a canvas
-    applied, again with a task id already used), not a broker redelivery (``redelivered``)
-    nor a copy celery-lease made of a delivery that already claimed its run."""
+    applied, again with a task id already used), not a broker redelivery (``redelivered``),
+    nor Celery's own retry message (``retries`` above 0), nor a copy celery-lease made of a
+    delivery that already claimed its run."""
     info = getattr(request, "delivery_info", None) or {}
     if info.get("redelivered") or header_value(request, "redelivered"):
         return False
+    if (getattr(request, "retries", 0) or 0) > 0:
+        return False  # Celery's own retry message, which a copy of it may have beaten
     return bool(header_value(request, COPY_HEADER) != COPY)
 
 

@@ -113,6 +113,30 @@ def test_rate_limit_applies_to_leased_runs(cluster: Cluster) -> None:
 
 
 @SQLITE_FS
+@pytest.mark.timeout(120)
+def test_a_retry_the_sweepers_copy_ran_fires_link_error_once(cluster: Cluster) -> None:
+    """A retry falls due while its worker's only process is busy: the sweeper sends the run
+    again as stranded, another worker runs that copy, and the run ends failed. The busy
+    worker then reaches Celery's own retry message: a delivery of a run that ended, not a
+    caller applying its task id again, so ``link_error`` runs once (it ran twice)."""
+    timing = {"conf": {**FAST, "lease_sweep_interval": 0.5}, "concurrency": 1, **SHORT}
+    w1 = cluster.start("w1", **timing)  # type: ignore[arg-type]
+    tag = uuid.uuid4().hex
+    failing = sig(cluster, "capped_after", 3.0).apply_async(
+        link_error=sig(cluster, "on_error", tag=tag)
+    )
+    wait_for(lambda: "retry requested" in w1.log(), 30, what="the retry")
+    busy = cluster.send("spin", 10.0)  # holds w1's only process past the retry's due time
+    wait_for(lambda: cluster.effects(busy, "start"), 30, what="w1 to be busy")
+    cluster.start("w2", **timing)  # type: ignore[arg-type]
+    wait_for(lambda: cluster.status(failing.id) == "failed", 60, what="the copy to end the run")
+    wait_for(lambda: f"run {failing.id} is already failed" in w1.log(), 60, what="w1's retry")
+    time.sleep(1.0)  # a second errback would be sent by now
+    assert len(cluster.effects(tag, "errback")) == 1
+    assert len(cluster.effects(failing.id, "start")) == 2
+
+
+@SQLITE_FS
 @pytest.mark.timeout(90)
 def test_revoke_terminate_cancels_the_run(cluster: Cluster) -> None:
     """revoke(terminate=True): the body is killed, the run ends cancelled, never re-run;

@@ -1193,6 +1193,16 @@ def call_capped(self: LeasedTask) -> None:
         raise self.retry(exc=exc, max_retries=1, countdown=0.1) from exc
 
 
+@app.task(base=LeasedTask, bind=True, name="workerapp.capped_after")
+def capped_after(self: LeasedTask, countdown: float) -> None:
+    """``self.retry(max_retries=1, countdown=countdown)``: fails after its retry."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    try:
+        raise KeyError(f"capped after attempt {self.lease.attempt}")
+    except KeyError as exc:
+        raise self.retry(exc=exc, max_retries=1, countdown=countdown) from exc
+
+
 @app.task(base=LeasedTask, bind=True, name="workerapp.rated_retry", lease_rate_limit="1/s")
 def rated_retry(self: LeasedTask, n: int, retry: bool = True) -> int:
     """1/s across every worker: record the start with the retries the body sees, and ask
