@@ -280,6 +280,31 @@ def test_cold_shutdown_hands_lease_back_well_before_expiry(cluster: Cluster) -> 
 
 @SQLITE_FS
 @pytest.mark.timeout(120)
+def test_a_retry_waiting_behind_a_busy_worker_is_not_ended_undeliverable(cluster: Cluster) -> None:
+    """A retry falls due while the worker's only process stays busy longer than the sweeper's
+    five re-sends used to take (one per ``lease_sweep_interval + lease_seconds``): it ended
+    ``failed (undeliverable)`` and never ran again. Each re-send now waits twice as long as
+    the one before; once the process is free the retry runs and the run succeeds."""
+    w1 = cluster.start(
+        "w1",
+        conf={**FAST_RETRY, "lease_sweep_interval": 0.5},
+        concurrency=1,
+        CL_LEASE_SECONDS="2",
+        CL_HEARTBEAT="0.5",
+    )
+    run_id = cluster.send("retry_later", 3.0)
+    wait_for(lambda: "retry requested" in w1.log(), 30, what="the retry")
+    busy = cluster.send("spin", 25.0)  # holds the only process past the old five re-sends
+    wait_for(lambda: cluster.effects(busy, "start"), 30, what="the process to be busy")
+    wait_for(lambda: cluster.status(busy) == "succeeded", 60, what="the busy task")
+    wait_for(lambda: cluster.status(run_id) == "succeeded", 30, what="the retry to run")
+    assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2]
+    row = cluster.store.get(run_id)
+    assert row is not None and row.republishes <= 4, row.republishes
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
 def test_a_cold_shutdown_while_the_result_backend_is_busy_hands_the_run_on(
     cluster: Cluster,
 ) -> None:

@@ -77,6 +77,7 @@ from .sql import (
     not_paused,
     progress_values,
     purgeable,
+    stranded_wait,
     success_values,
 )
 
@@ -1059,7 +1060,8 @@ class LeaseStore:
     def reclaim_stale(
         self, older_than: float, limit: int = 500, *, leader: LeaderTerm | None = None
     ) -> list[tuple[RunRecord, str]]:
-        """Queued/retrying runs available for ``older_than`` s yet never claimed.
+        """Queued/retrying runs available for ``older_than`` s yet never claimed, and after
+        each re-send twice as long again (:func:`~celery_lease.store.sql.stranded_wait`).
 
         Their delivery was most likely lost (a broker that does not redeliver, a
         failed publish, a task no worker runs leased). Each returned row was
@@ -1078,6 +1080,7 @@ class LeaseStore:
         :meth:`sweep_expired`.
         """
         now = db_now_ms()
+        first_ms = round(older_than * 1000)
         with self.db.begin() if leader is not None else self.db.connect() as conn:
             if leader is not None:
                 self.leaders.hold(conn, leader)
@@ -1086,7 +1089,8 @@ class LeaseStore:
                     select(runs)
                     .where(
                         runs.c.status.in_((QUEUED, RETRYING)),
-                        runs.c.available_at <= now - round(older_than * 1000),
+                        runs.c.available_at <= now - first_ms,
+                        runs.c.available_at + stranded_wait(first_ms) <= now,
                         runs.c.cancel_requested_at.is_(None),
                         # No message: a direct call or eager apply(); never sent to workers.
                         runs.c.payload.is_not(None),

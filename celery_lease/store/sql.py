@@ -502,3 +502,22 @@ def lease_expired_since(since: Any) -> Any:
             and_(runs.c.status == FAILED, runs.c.finished_at >= since),
         ),
     )
+
+
+#: The longest wait between two re-sends of a run nobody claims (an hour), unless the
+#: first wait is longer.
+STRANDED_SPACING_MAX_MS = 3_600_000
+
+
+def stranded_wait(first_ms: int, doublings: int = 8) -> Any:
+    """How long a run waits unclaimed before the sweeper sends it again: ``first_ms`` for the
+    first re-send, twice as long for each one since (``requeues``), at most
+    :data:`STRANDED_SPACING_MAX_MS` (or ``first_ms``, if longer).
+
+    A message waiting behind a backlog is not multiplied there, and a run is not ended
+    ``undeliverable`` while a busy worker has yet to reach it. A ``CASE`` on ``requeues``:
+    portable, and it reads only the row.
+    """
+    cap = max(first_ms, STRANDED_SPACING_MAX_MS)
+    steps = [(runs.c.requeues == k, min(first_ms * 2**k, cap)) for k in range(1, doublings)]
+    return case((runs.c.requeues <= 0, first_ms), *steps, else_=min(first_ms * 2**doublings, cap))
