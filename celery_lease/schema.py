@@ -317,6 +317,12 @@ class db_now_ms(FunctionElement[int]):
     inherit_cache = True
 
 
+def gaps_text(gaps: list[str], shown: int = 3) -> str:
+    """The first ``shown`` schema gaps (``LeaseStore.schema_gaps``), and how many more."""
+    more = len(gaps) - shown
+    return ", ".join(gaps[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def check_run_id(run_id: object, field: str = "run_id") -> str:
     """``run_id`` if the ``id`` column can hold it, else :class:`LeaseInputError`.
 

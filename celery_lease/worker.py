@@ -45,6 +45,7 @@ from .runtime import (
     runtime_for,
 )
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
+from .schema import gaps_text
 from .store import OTHER_DELIVERY, RunNotFound
 from .store.databases import database_for
 from .sweeper import register_sweep_task
@@ -205,6 +206,7 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
         try:
             store = runtime_for(app, config).store
             present = store.has_schema()  # runtime_for prepared an embedded one
+            gaps = store.schema_gaps() if present else []
             break
         except ImportError as exc:
             raise ImproperlyConfigured(
@@ -243,6 +245,12 @@ def _check_database(app: Celery, config: LeaseConfig) -> None:
         raise ImproperlyConfigured(
             f"lease_database_url ({shown}) has no celery_lease_runs table: run "
             f"`{celery_command(app)} lease migrate` first"
+        )
+    if gaps:
+        # Every claim would fail for good on the first missing column: refuse instead.
+        raise ImproperlyConfigured(
+            f"lease_database_url ({shown}) holds an older celery-lease schema (it lacks "
+            f"{gaps_text(gaps)}): run `{celery_command(app)} lease migrate` first"
         )
 
 

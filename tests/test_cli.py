@@ -424,6 +424,21 @@ def test_missing_sqlite_file_or_table_is_reported(cli: Cli, tmp_path: Path) -> N
     assert "`celery -A tests.cli_app lease --database-url " in line and "migrate`" in line
 
 
+def test_an_earlier_versions_runs_table_is_reported_with_migrate(
+    cli: Cli, store: LeaseStore
+) -> None:
+    """The package upgraded, `lease migrate` not run: the commands name the missing column
+    and the migrate command in one line (they printed the driver's error for each read)."""
+    with store.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE celery_lease_runs DROP COLUMN payload_retries"))
+    assert_one_line_error(
+        cli("runs"),
+        "holds an older celery-lease schema",
+        "column celery_lease_runs.payload_retries",
+        "`celery -A tests.cli_app lease migrate`",
+    )
+
+
 def test_password_in_url_is_never_printed(cli: Cli, db_url: str) -> None:
     """With a password in the URL, migrate and stats print it masked."""
     url = make_url(db_url)

@@ -28,6 +28,7 @@ from celery_lease.migrations import (
     MigrationBounds,
     MigrationError,
     alembic_config,
+    current,
     head,
     schema_differences,
     upgrade,
@@ -537,6 +538,50 @@ def test_embedded_worker_makes_a_whole_index_of_an_older_sqlite_file_partial(
         wait_for(lambda: _status(cluster.engine, task_id) == "succeeded", 30, 0.1, "the run")
     finally:
         cluster.close()
+
+
+@pytest.mark.timeout(90)
+def test_migrate_after_an_embedded_worker_upgraded_the_file_records_head(
+    sqlite_url: str, workers: list[Worker], tmp_path: Path
+) -> None:
+    """A worker on a SQLite file made by an earlier version adds what the table lacks,
+    without recording a revision; `lease migrate` then failed on every run (``duplicate
+    column name``). It finds the table current and records head."""
+    upgrade(sqlite_url, "0005")
+    folder = tmp_path / "broker"
+    (folder / "control").mkdir(parents=True)
+    broker = {"CL_BROKER_URL": "filesystem://", "CL_FS_DIR": str(folder)}
+    cluster = Cluster(sqlite_url, broker, tmp_path, workers)
+    try:
+        worker = cluster.start("w", pool="threads")
+        task_id = cluster.send("work", 0.0)
+        wait_for(lambda: _status(cluster.engine, task_id) == "succeeded", 30, 0.1, "the run")
+        worker.stop()
+    finally:
+        cluster.close()
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease"),
+            *("--database-url", sqlite_url, "migrate"),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _revision_of(sqlite_url) == head()
+    assert upgrade(sqlite_url).after == head()  # and again: nothing to do
+
+
+def _revision_of(url: str) -> str | None:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return current(conn)
+    finally:
+        engine.dispose()
 
 
 def _index_names(url: str) -> set[str]:

@@ -286,6 +286,21 @@ def test_missing_table_refuses_to_start_worker(pg_url: str) -> None:
     assert "`celery -A tests.workerapp lease migrate`" in line
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"])
+def test_an_older_server_schema_refuses_to_start_worker(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """A server database still at an earlier version's schema (the package upgraded,
+    `lease migrate` forgotten) stops the worker in one line naming what is missing: it
+    started with a warning, and every claim then failed for good (``missing_column``)."""
+    url = str(request.getfixturevalue({"postgresql": "pg_url"}.get(backend, f"{backend}_url")))
+    upgrade(url, "0013")
+    line = _start_refused({"CL_LEASE_DB": url})
+    assert "older celery-lease schema" in line and "payload_retries" in line, line
+    assert "`celery -A tests.workerapp lease migrate`" in line
+
+
 @pytest.mark.timeout(90)
 def test_transient_outage_at_start_warns_retries_then_starts(
     tmp_path: Path, workers: list[Worker]

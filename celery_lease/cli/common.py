@@ -35,6 +35,7 @@ from ..sanitize import safe_url, sanitize
 from ..schema import (
     RUNNING,
     TABLE_NAME,
+    gaps_text,
 )
 from ..store import LeaseStore, RunNotFound, RunRecord
 from ..store.databases import backend_of, database_for
@@ -173,11 +174,19 @@ def _open_store(ctx: click.Context, url: str | None = None) -> LeaseStore:
         raise _Failure(f"lease database {shown}: {missing}")
     store = LeaseStore.from_url(url)
     ctx.call_on_close(store.dispose)
-    if not store.has_schema():
+    present = store.has_schema()
+    # A missing table of one feature (the sweeps' record, say) fails that step, with a hint.
+    gaps = store.schema_gaps(runs_only=True) if present else []
+    if not present or gaps:
         override = ctx.find_root().meta.get("celery_lease.override")
         database = "" if override is None else f" --database-url {shlex.quote(shown)}"
+        what = (
+            f"holds an older celery-lease schema (it lacks {gaps_text(gaps)})"
+            if present
+            else f"has no {TABLE_NAME} table"
+        )
         raise _Failure(
-            f"lease database {shown} has no {TABLE_NAME} table: run "
+            f"lease database {shown} {what}: run "
             f"`{celery_command(ctx.obj.app)} lease{database} migrate` (or start a worker, "
             "on SQLite)"
         )

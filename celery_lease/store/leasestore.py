@@ -191,6 +191,27 @@ class LeaseStore:
         return bool(inspect(self.db.engine).has_table(runs.name))
 
     @db_errors
+    def schema_gaps(self, *, runs_only: bool = False) -> list[str]:
+        """What this version's schema has and the database lacks (``table <name>``, ``column
+        <table>.<name>``): a schema an earlier version made, not yet migrated. Empty when
+        current; one catalog read per table (``runs_only``: the runs table's columns only,
+        what every read of a run needs)."""
+        inspector = inspect(self.db.engine)
+        present = set(inspector.get_table_names())
+        gaps: list[str] = []
+        for table in [runs] if runs_only else schema.metadata.sorted_tables:
+            if table.name not in present:
+                gaps.append(f"table {table.name}")
+                continue
+            columns = {column["name"] for column in inspector.get_columns(table.name)}
+            gaps.extend(
+                f"column {table.name}.{column.name}"
+                for column in table.columns
+                if column.name not in columns
+            )
+        return gaps
+
+    @db_errors
     def prepare(self) -> None:
         """Make the database ready for tasks: SQLite, the embedded default, gets its table;
         a server's is made by ``celery lease migrate``."""
