@@ -412,6 +412,13 @@ def test_read_only_without_a_token(lease_db: tuple[str, Any]) -> None:
     csrf = page.cookies.get("celery_lease_csrf") or c.cookies.get("celery_lease_csrf")
     refused = c.post("/action", data={"csrf": csrf, "action": "cancel", "id": "r1", "token": TOKEN})
     assert refused.status_code == 403 and "read-only" in refused.text
+    # A script's bearer token is told the view is read-only (it was told "CSRF check failed").
+    scripted = client(url).post(
+        "/action",
+        data={"action": "cancel", "id": "r1"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+    assert scripted.status_code == 403 and "read-only" in scripted.text, scripted.text
     assert LeaseStore.from_url(url).get("r1").status == "queued"  # type: ignore[union-attr]
 
 
@@ -459,7 +466,7 @@ def test_writes_need_the_csrf_value_and_the_token(lease_db: tuple[str, Any]) -> 
     basic = base64.b64encode(f"x:{TOKEN}".encode()).decode()
     for headers, reason in [
         ({"authorization": f"Basic {basic}"}, "CSRF check failed"),
-        ({"authorization": f"Bearer {TOKEN}x"}, "CSRF check failed"),
+        ({"authorization": f"Bearer {TOKEN}x"}, "wrong or missing write token"),
         ({"authorization": f"Bearer {TOKEN}", "origin": "http://evil.example"}, "cross-origin"),
     ]:
         refused = script.post("/action", data={"action": "cancel", "id": "r3"}, headers=headers)
@@ -840,6 +847,34 @@ def test_cli_refuses_a_public_bind_in_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "Error: refusing to serve on 0.0.0.0 without a credential: set lease_web_token or "
         "CELERY_LEASE_WEB_TOKEN (every page then asks for it), or bind 127.0.0.1"
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_cli_says_in_one_line_that_the_port_is_in_use(tmp_path: Path) -> None:
+    """``lease web --port P`` with P taken exits 1 with one line and no banner (it printed
+    the banner, then uvicorn's error, and exited 3)."""
+    url = sqlite_url(tmp_path / "l.db")
+    LeaseStore.from_url(url).create_schema()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CL_LEASE_DB": url}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [
+                *(sys.executable, "-m", "celery", "-A", "tests.cli_app"),
+                *("lease", "web", "--port", str(port)),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
     ]
 
 

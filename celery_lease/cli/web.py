@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import click
 from celery.exceptions import ImproperlyConfigured
 
@@ -53,7 +55,24 @@ def web(ctx: click.Context, host: str, port: int) -> None:
     if public:
         mode += "; every page asks for the token"
     where = f"[{host}]" if ":" in host else host
+    listening = _listen(host, port, where)  # before the banner: a port in use is one line
+    port = int(listening.getsockname()[1])
     click.echo(f"celery lease web: http://{where}:{port}/ on {shown} ({mode}); Ctrl-C stops")
     if "*" not in hosts:
         click.echo(f"answering Host {', '.join(hosts)} only (lease_web_hosts)")
-    uvicorn.run(asgi, host=host, port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _listen(host: str, port: int, where: str) -> socket.socket:
+    """A socket bound to ``host``:``port`` for the server to serve on; a port in use or an
+    address this host does not have is a one-line failure (exit 1)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host.strip("[]"), port))
+    except OSError as exc:
+        listening.close()
+        raise _Failure(f"cannot listen on {where}:{port}: {exc.strerror or exc}") from None
+    return listening

@@ -275,11 +275,10 @@ class WebView:
             return self.message(request, 400, "Bad request", "a form value holds a NUL")
         if not _same_origin(request):
             return self.message(request, 403, "Refused", "cross-origin request refused")
-        # A script presenting the write token as a bearer header needs no CSRF value:
-        # no browser sends that header for another site (security.bearer_token).
-        scripted = self.writable and security.token_ok(
-            self.token, security.bearer_token(request.headers)
-        )
+        # A script presenting a bearer header needs no CSRF value: no browser sends that
+        # header for another site (security.bearer_token). Its token is checked below, so
+        # a wrong one, or any on a read-only view, is told so.
+        scripted = security.bearer_token(request.headers) is not None
         if not scripted and not security.csrf_ok(
             request.cookies.get(security.CSRF_COOKIE), form.get(security.CSRF_FIELD)
         ):
