@@ -222,6 +222,13 @@ def test_django_page_runs_under_a_real_worker(tmp_path: Path) -> None:
     files = page.files()
     assert set(files) >= {"proj/celery.py", "proj/__init__.py", "proj/settings.py"}
     settings = DJANGO_BASE + files.pop("proj/settings.py") + DJANGO_LOCAL
+    cmds = page.commands()
+    # The page starts from nothing: Django's own project and app, then the page's files.
+    startproject, startapp = cmds[:2]
+    assert startproject == ["django-admin", "startproject", "proj", "."], startproject
+    assert startapp == ["python", "manage.py", "startapp", "orders"], startapp
+    run([sys.executable, "-m", "django", *startproject[1:]], tmp_path, reader_env())
+    run(argv(startapp), tmp_path, reader_env())
     (tmp_path / "broker" / "control").mkdir(parents=True)
     write_files(
         {**files, "proj/settings.py": settings, "orders/__init__.py": "", "manage.py": MANAGE_PY},
@@ -229,9 +236,8 @@ def test_django_page_runs_under_a_real_worker(tmp_path: Path) -> None:
     )
     # The page's own settings module, whatever another test of this process set.
     env = reader_env(DB_PASSWORD="not-used-on-sqlite", DJANGO_SETTINGS_MODULE="proj.settings")
-    cmds = page.commands()
     # The page's own commands only (its makemigrations included: a reader has no other).
-    for command in cmds:
+    for command in cmds[2:]:
         if command[:2] == ["python", "manage.py"] or command[3:4] == ["lease"]:
             run(argv(command), tmp_path, env)
     (worker_cmd,) = [c for c in cmds if c[3:4] == ["worker"]]
