@@ -88,11 +88,12 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], .
         rf"\g<pre>{REDACTED}",
     ),
     (re.compile(r"(?i)(?P<pre>\bbearer\s+)[A-Za-z0-9\-._~+/]+=*"), rf"\g<pre>{REDACTED}"),
-    # key=value and key: value pairs, including libpq DSNs (password=...)
+    # key=value and key: value pairs, including libpq DSNs (password=...); not MySQL's
+    # "(using password: YES)", which says whether a password was sent, not which.
     (
         re.compile(
             r"(?i)(?P<pre>\b[\w\-]*(?:password|passwd|pwd|token|secret|api[_\-]?key|access[_\-]?key)"
-            r"[\w\-]*['\"]?\s*[=:]\s*['\"]?)[^\s,;&'\"}]+"
+            r"[\w\-]*['\"]?\s*[=:]\s*['\"]?)(?!(?:YES|NO)\))[^\s,;&'\"}]+"
         ),
         rf"\g<pre>{REDACTED}",
     ),

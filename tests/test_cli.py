@@ -15,6 +15,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from celery_lease.migrations import head, upgrade
+from celery_lease.sanitize import safe_url
 from celery_lease.schema import SWEEPS_TABLE_NAME
 from celery_lease.store import LeaseStore
 from tests.helpers import REPO
@@ -308,7 +309,7 @@ def test_sweep_recovers_expired_leases_and_reports(cli: Cli, store: LeaseStore) 
     statuses = {r: store.get(r).status for r in ("run-x", "run-y", "run-live")}  # type: ignore[union-attr]
     assert statuses == {"run-x": "retrying", "run-y": "failed", "run-live": "running"}
     assert any(cli.broker.glob("*.msg")), "the re-enqueued message is on the broker"
-    assert "nothing to sweep" in cli.ok("sweep")
+    assert f"nothing to sweep on {safe_url(cli.db_url)}" in cli.ok("sweep")
     assert json.loads(cli.ok("sweep", "--json"))["requeued"] == []
 
 
@@ -422,6 +423,13 @@ def test_missing_sqlite_file_or_table_is_reported(cli: Cli, tmp_path: Path) -> N
     )
     line = assert_one_line_error(cli("--database-url", cli.db_url, "runs"))
     assert "`celery -A tests.cli_app lease --database-url " in line and "migrate`" in line
+    # migrate says what the worker says of a SQLite file in a missing directory (it said
+    # "lease_db_unavailable: ... unable to open database file").
+    nowhere = tmp_path / "no-such-dir" / "l.sqlite3"
+    assert_one_line_error(
+        cli("migrate", CL_LEASE_DB=f"sqlite:///{nowhere}"),
+        f"directory {nowhere.parent} does not exist",
+    )
 
 
 def test_an_earlier_versions_runs_table_is_reported_with_migrate(

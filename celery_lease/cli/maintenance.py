@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 from celery.exceptions import ImproperlyConfigured
+from sqlalchemy.engine import make_url
 
 from .. import dberrors
 from ..display import format_duration, format_relative, leader_text
@@ -18,11 +19,13 @@ from ..schema import (
     TERMINAL_STATUSES,
 )
 from ..store import PURGE_BATCH, LeaseStore, RunRecord
+from ..store.databases import database_for
 from .common import (
     _database_url,
     _database_urls,
     _duration,
     _echo_json,
+    _Failure,
     _open_store,
     _operator_errors,
     format_time,
@@ -101,7 +104,8 @@ def _print_sweep(report: dict[str, Any], header: bool) -> None:
     for step in report["steps_failed"]:
         click.echo(f"  step failed: {step}", err=True)
     if not any(report[key] for key in _SWEEP_LABELS) and not purged:
-        click.echo("nothing to sweep" if not report["steps_failed"] else "no run to recover")
+        said = "nothing to sweep" if not report["steps_failed"] else "no run to recover"
+        click.echo(said if header else f"{said} on {report['database']}")
     if purged:
         counts = ", ".join(f"{status} {n}" for status, n in purged.items())
         click.echo(f"deleted (finished, older than lease_retention): {counts}")
@@ -136,6 +140,10 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
 
     url = _database_url(ctx)
     shown = safe_url(url)
+    parsed = make_url(url)
+    unreachable = database_for(parsed.get_backend_name()).unreachable(parsed)
+    if unreachable is not None:  # as the worker says it (a SQLite file's missing directory)
+        raise _Failure(f"lease database {shown}: {unreachable}")
     shortest = _shortest_lease(ctx, url)
     with dberrors.translated(url):
         result = upgrade(url, revision, lock_timeout=lock_timeout, shortest_lease=shortest)
