@@ -139,3 +139,9 @@ class Transport(filesystem.Transport):
     """The filesystem transport, with :class:`Channel`."""
 
     Channel = Channel
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        """No default host: a folder has none, and kombu warns "No hostname was supplied"
+        for each connection (twice at every worker start) when a default is offered."""
+        return {"port": self.default_port}
