@@ -370,6 +370,50 @@ def test_top_exits_0_on_sigint_while_a_frame_waits_on_the_database(cluster: Clus
         _interrupt_at_once(proc)
 
 
+@pytest.mark.timeout(120)
+def test_top_stays_up_while_the_database_does_not_answer(pg_url: str) -> None:
+    """The database stops answering (a partition) under a running `lease top`: each frame
+    says so and the view keeps trying; once the database answers, the leases show again.
+    It exited 1 after the first failed read, when the on-call engineer needed it most."""
+    from celery_lease.migrations import upgrade
+    from tests.proxy import Proxy
+
+    upgrade(pg_url)
+    proxy, via = Proxy.for_url(pg_url)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CL_LEASE_DB": via, "CL_BROKER_URL": "memory://"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp", "lease", "top", "--interval",
+         "0.5"],
+        env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    seen: list[bytes] = []
+
+    def frame_with(text: bytes) -> bool:
+        assert proc.stdout is not None
+        while select.select([proc.stdout], [], [], 0.2)[0]:
+            line = proc.stdout.readline()
+            if not line:
+                return False
+            seen.append(line)
+            if text in line:
+                return True
+        return False
+
+    try:
+        wait_for(lambda: frame_with(b"no live leases"), 30, what="a first frame")
+        proxy.partition()
+        wait_for(lambda: frame_with(b"does not answer"), 60, what="a frame saying so")
+        assert proc.poll() is None, b"".join(seen)
+        proxy.heal()
+        wait_for(lambda: frame_with(b"no live leases"), 60, what="the leases again")
+        _interrupt_at_once(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proxy.close()
+
+
 @contextlib.contextmanager
 def _piped_top(cluster: Cluster, **env: str) -> Iterator[subprocess.Popen[bytes]]:
     """`celery lease top --interval 0.2` piped, once its first frame is out; killed after."""

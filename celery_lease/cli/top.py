@@ -14,6 +14,7 @@ import click
 
 from ..display import format_duration, format_relative, run_progress_text
 from ..errors import LeaseError
+from ..sanitize import sanitize
 from ..schema import (
     QUEUED,
     RETRYING,
@@ -145,7 +146,19 @@ def top(ctx: click.Context, interval: float, limit: int, once: bool, wide: bool)
     if once:
         click.echo(render_top(store, shown, limit, wide))
         return
-    _live(lambda: render_top(store, shown, limit, wide), interval)
+
+    def frame() -> str:
+        # During an incident the view stays up: a frame the database cannot give says so,
+        # and the next refresh tries again.
+        try:
+            return render_top(store, shown, limit, wide)
+        except LeaseError as exc:
+            return (
+                f"celery lease top  {shown}\n\nthe lease database does not answer: "
+                f"{sanitize(str(exc), 300)}\ntrying again every {interval:g}s (Ctrl-C stops)"
+            )
+
+    _live(frame, interval)
 
 
 def _live(render: Callable[[], str], interval: float) -> None:
