@@ -50,6 +50,20 @@ def _claim(store: LeaseStore, run_id: str, **kw: object) -> object:
         ("postgresql", psycopg.errors.SyntaxError(), False, "bad_sql"),
         ("postgresql", psycopg.errors.InvalidPassword(), False, "auth_failed"),
         ("postgresql", psycopg.OperationalError("connection refused"), True, "connection_refused"),
+        *(
+            (
+                "postgresql",
+                psycopg.OperationalError(f'connection to server at "db" failed: FATAL: {m}'),
+                True,
+                "too_many_connections",
+            )
+            for m in (
+                "sorry, too many clients already",
+                'too many connections for role "app"',
+                'too many connections for database "shop"',
+                "remaining connection slots are reserved for roles with the SUPERUSER attribute",
+            )
+        ),
         (
             "postgresql",
             psycopg.OperationalError("server closed the connection"),

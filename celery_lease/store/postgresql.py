@@ -101,6 +101,12 @@ class PostgreSQL(Database):
     }
     #: libpq reports connection failures without a SQLSTATE: the message decides.
     messages: ClassVar[tuple[tuple[str, Classification], ...]] = (
+        # 53300 at connect time, first: 'too many connections for role "x"' (or database)
+        # names a role that exists. Also "sorry, too many clients already", "remaining
+        # connection slots are reserved ...", PgBouncer's "no more connections allowed".
+        ("too many c", transient("too_many_connections")),
+        ("remaining connection slots are reserved", transient("too_many_connections")),
+        ("no more connections allowed", transient("too_many_connections")),
         ("password authentication failed", permanent("auth_failed")),
         ("no pg_hba.conf entry", permanent("auth_failed")),
         ('role "', permanent("auth_failed")),  # role "x" does not exist
