@@ -229,6 +229,36 @@ def test_ending_quietly_retries_a_database_error(pg_redis: Cluster, tmp_path: Pa
     assert len(pg_redis.effects(run_id, "start")) == 1
 
 
+@pytest.mark.timeout(90)
+def test_a_failure_that_cannot_be_recorded_says_what_happens_next(
+    pg_redis: Cluster, tmp_path: Path
+) -> None:
+    """The body raises while another session holds the run's row past the lock bound: the
+    failure cannot be recorded. The log says what the body raised, why it was not recorded,
+    and that the run runs again once its lease expires (it said only "could not record
+    failure: <the database error>", then Celery's "ignored"); and it does."""
+    worker = pg_redis.start("w1", conf=FAST_BACKOFF, CL_LEASE_SECONDS="6")
+    go = tmp_path / "go"
+    run_id = pg_redis.send("workerapp.gated_boom", str(go))
+    wait_for(lambda: pg_redis.effects(run_id, "start"), 30, what="the body to start")
+    locker = create_engine(pg_redis.db_url)
+    try:
+        with locker.connect() as conn, conn.begin():
+            conn.execute(
+                text("SELECT id FROM celery_lease_runs WHERE id = :id FOR UPDATE"), {"id": run_id}
+            )
+            go.touch()  # the body raises: recording the failure waits for the row lock
+            wait_for(
+                lambda: "could not record the failure" in worker.log(), 20, what="the log line"
+            )
+    finally:
+        locker.dispose()
+    line = next(ln for ln in worker.log().splitlines() if "could not record the failure" in ln)
+    assert f"run {run_id} attempt 1 raised ValueError: boom after the gate" in line, line
+    assert "lock_not_available" in line and "runs again once its lease expires" in line, line
+    wait_for(lambda: len(pg_redis.effects(run_id, "start")) == 2, 40, what="attempt 2")
+
+
 @pytest.mark.timeout(120)
 def test_a_database_outage_logs_the_sweeper_leadership_once_not_each_second(
     pg_redis: Cluster,

@@ -720,6 +720,18 @@ def gated_ignore(self: LeasedTask, gate: str) -> None:
     raise Ignore()
 
 
+@app.task(base=LeasedTask, bind=True, name="workerapp.gated_boom")
+def gated_boom(self: LeasedTask, gate: str) -> None:
+    """Waits (bounded) until the file ``gate`` exists, then raises ValueError."""
+    from pathlib import Path
+
+    record(self.lease.run_id, self.lease.attempt, "start")
+    deadline = time.monotonic() + 30
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    raise ValueError(f"boom after the gate, attempt {self.lease.attempt}")
+
+
 if os.environ.get("CL_PUBLISH_GATE"):
     # Broker-outage tests: hold the first publish of a workerapp task made after the
     # test creates ``<gate>/armed``, until it creates ``<gate>/go`` (bounded), so the

@@ -579,10 +579,15 @@ class Attempt:
             lease.events.emit(
                 Event.FAIL_ERROR,
                 lease.run_id,
-                "run %s: could not record failure: %s",
+                "run %s attempt %d raised %s; could not record the failure either (%s): "
+                "the run runs again once its lease expires (delivery sent again in %.0fs)",
                 lease.run_id,
+                lease.attempt,
+                describe_exception(exc),
                 describe_exception(db_exc),
+                config.lease_seconds,
                 level=logging.WARNING,
+                attempt=lease.attempt,
             )
             republish.reschedule(self.delivery, config.lease_seconds, exc, headers=COPIED)
         lease.events.emit(
