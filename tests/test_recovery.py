@@ -280,6 +280,34 @@ def test_cold_shutdown_hands_lease_back_well_before_expiry(cluster: Cluster) -> 
 
 @SQLITE_FS
 @pytest.mark.timeout(120)
+def test_messages_a_killed_worker_held_unstarted_run_on_another(cluster: Cluster) -> None:
+    """On the embedded default (``filesystem://``, which never redelivers) a ``kill -9`` of a
+    worker lost the messages it had taken and not started yet: no lease row, nothing for
+    the sweeper. They go back to their queue when their worker dies, and another worker
+    runs each once."""
+    timing = {"CL_LEASE_SECONDS": "3", "CL_HEARTBEAT": "1"}
+    w1 = cluster.start("w1", concurrency=1, **timing)
+    busy = cluster.send("spin", 60.0)
+    wait_for(lambda: cluster.effects(busy, "start"), 30, what="w1's only process to be busy")
+    sent = [cluster.send("work", 0.0) for _ in range(3)]
+    held = wait_for(
+        lambda: [task_id for task_id in sent if f"[{task_id}] received" in w1.log()],
+        30,
+        what="w1 to take a message it cannot start",
+    )
+    w1.kill9()
+    w2 = cluster.start("w2", **timing)
+    wait_for(
+        lambda: all(cluster.status(task_id) == "succeeded" for task_id in sent),
+        60,
+        what="the runs elsewhere",
+    )
+    assert all(len(cluster.effects(task_id, "start")) == 1 for task_id in sent)
+    assert all(f"[{task_id}] received" in w2.log() for task_id in held)
+
+
+@SQLITE_FS
+@pytest.mark.timeout(120)
 def test_a_retry_waiting_behind_a_busy_worker_is_not_ended_undeliverable(cluster: Cluster) -> None:
     """A retry falls due while the worker's only process stays busy longer than the sweeper's
     five re-sends used to take (one per ``lease_sweep_interval + lease_seconds``): it ended
