@@ -227,17 +227,7 @@ def test_migrate_waits_a_bounded_time_for_the_lock(db_url: str, tmp_path: Path) 
             with conn.begin():
                 lock.acquire(conn, 5)
                 started = time.monotonic()
-                proc = subprocess.run(
-                    [
-                        *(sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease"),
-                        *("--database-url", db_url, "migrate", "--lock-timeout", "1"),
-                    ],
-                    env={**os.environ, "PYTHONPATH": str(REPO)},
-                    cwd=str(REPO),
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                )
+                proc = _migrate_cli(db_url, "--lock-timeout", "1", timeout=30)
                 waited = time.monotonic() - started
             lock.release(conn)
     finally:
@@ -559,20 +549,25 @@ def test_migrate_after_an_embedded_worker_upgraded_the_file_records_head(
         worker.stop()
     finally:
         cluster.close()
-    proc = subprocess.run(
+    proc = _migrate_cli(sqlite_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _revision_of(sqlite_url) == head()
+    assert upgrade(sqlite_url).after == head()  # and again: nothing to do
+
+
+def _migrate_cli(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``celery lease --database-url URL migrate ARGS``, run as an operator runs it."""
+    return subprocess.run(
         [
             *(sys.executable, "-m", "celery", "-A", "tests.cli_app", "lease"),
-            *("--database-url", sqlite_url, "migrate"),
+            *("--database-url", url, "migrate", *args),
         ],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         cwd=str(REPO),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _revision_of(sqlite_url) == head()
-    assert upgrade(sqlite_url).after == head()  # and again: nothing to do
 
 
 def _revision_of(url: str) -> str | None:
