@@ -310,12 +310,13 @@ def test_messages_a_killed_worker_held_unstarted_run_on_another(cluster: Cluster
 @pytest.mark.timeout(120)
 def test_a_retry_waiting_behind_a_busy_worker_is_not_ended_undeliverable(cluster: Cluster) -> None:
     """A retry falls due while the worker's only process stays busy longer than the sweeper's
-    five re-sends used to take (one per ``lease_sweep_interval + lease_seconds``): it ended
-    ``failed (undeliverable)`` and never ran again. Each re-send now waits twice as long as
-    the one before; once the process is free the retry runs and the run succeeds."""
+    re-sends used to take (one per ``lease_sweep_interval + lease_seconds``, as many as the
+    run's attempts, here two): it ended ``failed (undeliverable)`` and never ran again.
+    Each re-send now waits twice as long as the one before, and a run is re-sent five times
+    at least; once the process is free the retry runs and the run succeeds."""
     w1 = cluster.start(
         "w1",
-        conf={**FAST_RETRY, "lease_sweep_interval": 0.5},
+        conf={**FAST_RETRY, "lease_sweep_interval": 0.5, "lease_max_attempts": 2},
         concurrency=1,
         CL_LEASE_SECONDS="2",
         CL_HEARTBEAT="0.5",

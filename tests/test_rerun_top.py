@@ -161,6 +161,27 @@ def test_rerun_of_failed_run_publishes_it_and_it_succeeds(cluster: Cluster) -> N
     assert [e.attempt for e in cluster.effects(run_id, "start")] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(90)
+def test_rerun_with_new_arguments_of_a_run_that_retried_runs_them(cluster: Cluster) -> None:
+    """A run that retried (``self.retry()``) and then failed keeps the retry as its message.
+    `lease rerun --args` publishes a new message under a new task id: it runs, with the new
+    arguments. It was dropped as an older copy of the retry (retries 0 below 1), and the
+    sweeper later sent the old message, with the old arguments."""
+    worker = cluster.start("w1", conf=FAST)
+    run_id = cluster.send("workerapp.capped_after", 0.1)
+    wait_for(lambda: cluster.status(run_id) == "failed", 60, what="the run to fail")
+    row = cluster.store.get(run_id)
+    assert row is not None and row.payload_retries == 1, row
+    proc = lease_cli(cluster, "rerun", run_id, "--args", "[0.2]", conf=FAST)
+    assert proc.returncode == 0, proc.stderr
+    wait_for(lambda: len(cluster.effects(run_id, "start")) >= 3, 30, what="the rerun's body")
+    assert "an older copy" not in worker.log()
+    rerun = cluster.store.get(run_id)
+    assert rerun is not None and rerun.task_id not in (None, run_id)
+    assert f"[{rerun.task_id}] received" in worker.log()
+
+
 @pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
 @pytest.mark.timeout(120)
 def test_rerun_of_a_revoked_run_runs_under_a_new_task_id(cluster: Cluster) -> None:

@@ -63,6 +63,8 @@ RECORD_FIELDS = (
     "failure_code",
     "concurrency_key",
     "payload_content_type",
+    # Celery's retries of the stored message: an older copy of it is dropped.
+    "payload_retries",
     "created_at",
     "updated_at",
     # The run's recovery history (never reset): takeovers of an expired lease by a
@@ -185,10 +187,10 @@ def _open_store(ctx: click.Context, url: str | None = None) -> LeaseStore:
             if present
             else f"has no {TABLE_NAME} table"
         )
+        on_sqlite = " (or start a worker)" if backend_of(url) == "sqlite" else ""
         raise _Failure(
             f"lease database {shown} {what}: run "
-            f"`{celery_command(ctx.obj.app)} lease{database} migrate` (or start a worker, "
-            "on SQLite)"
+            f"`{celery_command(ctx.obj.app)} lease{database} migrate`{on_sqlite}"
         )
     return store
 

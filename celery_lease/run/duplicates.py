@@ -102,11 +102,12 @@ def on_stale(delivery: Delivery, claim: ClaimResult) -> NoReturn:
     delivery.events.emit(
         Event.DUPLICATE_DROPPED,
         claim.run_id,
-        "run %s is %s with a later message of task %s: delivery dropped (an older copy, "
-        "retries %d)",
+        "run %s is %s and keeps a later message of task %s (retries %s): delivery dropped "
+        "(an older copy, retries %d)",
         claim.run_id,
         claim.status,
         delivery.request.id,
+        claim.reason,
         delivery.request.retries or 0,
         status=claim.status,
     )

@@ -83,6 +83,11 @@ from .sql import (
 
 logger = logging.getLogger(__name__)
 
+#: The fewest re-sends of a run nobody claims before it ends ``undeliverable``, whatever
+#: its ``max_attempts``: re-sends are no attempts, and a run with two attempts waiting
+#: behind a busy worker's backlog must not end after two (see ``stranded_wait``).
+STRANDED_RESENDS = 5
+
 #: What ``rerun(from_scratch=True)`` clears: the run starts again with no checkpoint.
 _FROM_SCRATCH: dict[str, Any] = {
     "checkpoint": None,
@@ -473,7 +478,10 @@ class LeaseStore:
             # An older copy of the run's own message (same task id, fewer retries).
             stale = task_id is not None and task_id == values["task_id"]
             if stale and int(row[7]) > values["payload_retries"]:
-                return ClaimResult("stale", run_id, owner, attempt, status, task_id=task_id)
+                kept = str(row[7])  # the retries of the message the run keeps
+                return ClaimResult(
+                    "stale", run_id, owner, attempt, status, reason=kept, task_id=task_id
+                )
             wait_ms = lease_left if status == schema.RUNNING else available_left
             claimable = wait_ms is None or wait_ms <= 0
             if claimable and cancel_requested is not None:
@@ -1094,8 +1102,9 @@ class LeaseStore:
           to now, ``requeues`` and ``republishes`` grown by one and ``republished_at``
           now; the caller publishes it again;
         - ``failed`` with ``undeliverable``: the sweeper had already published it
-          ``max_attempts`` times since a worker last claimed it, so it is ended
-          instead (its message is kept for ``celery lease rerun``).
+          ``max_attempts`` times (at least :data:`STRANDED_RESENDS`) since a worker
+          last claimed it, so it is ended instead (its message is kept for ``celery
+          lease rerun``).
 
         With ``leader``, it runs in one transaction fenced by that leader term, as
         :meth:`sweep_expired`.
@@ -1134,12 +1143,12 @@ class LeaseStore:
                     runs.c.available_at == record.available_at,
                     runs.c.requeues == record.requeues,
                 )
-                if record.requeues >= record.max_attempts:
+                if record.requeues >= max(record.max_attempts, STRANDED_RESENDS):
                     status = FAILED
                     error = (
                         f"published {record.requeues} times by the sweeper and never claimed "
-                        "(the task is unregistered or not leased on the workers, or routes to "
-                        "a queue no worker consumes)"
+                        "(the task is unregistered or not leased on the workers, routes to a "
+                        "queue no worker consumes, or its workers stayed busy all that time)"
                     )
                     values = ended_values(db_now_ms(), FAILED, "undeliverable", error)
                 else:
@@ -1433,7 +1442,8 @@ class LeaseStore:
             "failure_code": None,
             "requeues": 0,
             "updated_at": now,
-            **({} if task_id is None else {"task_id": task_id}),
+            # A new task id starts a new line of messages: none is older than its first.
+            **({} if task_id is None else {"task_id": task_id, "payload_retries": 0}),
             **(_FROM_SCRATCH if from_scratch else {}),
         }
         bump = case((runs.c.status == SUCCEEDED, runs.c.generation + 1), else_=runs.c.generation)
@@ -1496,6 +1506,7 @@ class LeaseStore:
                 requeues=0,
                 updated_at=now,
                 task_id=case(task_ids, value=runs.c.id, else_=runs.c.task_id),
+                payload_retries=0,  # each under a new task id (see rerun)
             )
         )
         changed = select(runs).where(
