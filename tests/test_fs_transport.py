@@ -115,7 +115,8 @@ def test_a_backlog_is_listed_once_per_batch_not_once_per_message(
 
     def counting(path: Any) -> list[str]:
         nonlocal listings
-        listings += 1
+        if os.fspath(path) == str(tmp_path):  # the queue folder (not the consumers' one)
+            listings += 1
         return real_listdir(path)
 
     monkeypatch.setattr(os, "listdir", counting)
@@ -165,3 +166,39 @@ def test_two_consumers_take_each_message_once_and_see_new_ones_at_once(tmp_path:
                 time.sleep(0.01)
         assert got == {"body": "late"}
         assert time.monotonic() - started < fs_transport.LISTING_MAX_AGE + 0.5
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_message_is_kept_until_acknowledged_and_a_dead_consumers_come_back(
+    tmp_path: Path,
+) -> None:
+    """A message taken with acknowledgement waits in the unacked folder until acked; one
+    taken without (a worker's control queue) is gone at once. The messages of a consumer
+    whose lock nobody holds any more (it died) go back to their queue, ``redelivered``."""
+    options = _options(tmp_path)
+    unacked = tmp_path / fs_transport.UNACKED
+    with Connection("filesystem://", transport=Transport, transport_options=options) as conn:
+        channel: Any = conn.channel()
+        channel.queue_declare("orders")
+        for body in ("a", "b", "c"):
+            channel.basic_publish(channel.prepare_message(body), "", "orders")
+        taken = channel.basic_get("orders", no_ack=False)
+        assert taken.body == b"a" and len(os.listdir(unacked)) == 1
+        taken.ack()
+        assert os.listdir(unacked) == []
+        assert channel.basic_get("orders", no_ack=True).body == b"b"
+        assert os.listdir(unacked) == []
+        kept = channel.basic_get("orders", no_ack=False)
+        assert kept.body == b"c" and len(os.listdir(unacked)) == 1
+        # As if its consumer had died: the file moves to a name whose lock nobody holds.
+        (held,) = os.listdir(unacked)
+        original = held.partition(".")[2]
+        (tmp_path / fs_transport.CONSUMERS / "gone.lock").touch()
+        os.rename(unacked / held, unacked / f"gone.{original}")
+        channel._taken.clear()
+        channel._recovered_at = float("-inf")
+        channel._listed_at = float("-inf")
+        again = channel.basic_get("orders", no_ack=False)
+        assert again is not None and again.body == b"c"
+        assert again.headers.get("redelivered") is True
+        assert not (tmp_path / fs_transport.CONSUMERS / "gone.lock").exists()
