@@ -1228,6 +1228,9 @@ def test_browser_counters_after_a_real_takeover_and_a_real_sweep(cluster: Cluste
     wait_for(lambda: cluster.status(taken) == "succeeded", 30, what="the takeover to succeed")
     swept = cluster.send("work", 3.0)
     wait_for(lambda: cluster.status(swept) == "running", 30, what="the second run to start")
+    unacked = cluster.tmp_path / "broker" / "unacked"
+    # Its message acknowledged (not to come back when its worker dies): the sweeper's case.
+    wait_for(lambda: not unacked.exists() or not any(unacked.iterdir()), 30, what="the ack")
     owner = cluster.store.get(swept).lease_owner or ""  # type: ignore[union-attr]
     (w1 if owner.startswith("w1@") else w2).kill9()
 
