@@ -174,13 +174,14 @@ def test_a_taken_message_is_kept_until_acknowledged_and_a_dead_consumers_come_ba
 ) -> None:
     """A message taken with acknowledgement waits in the unacked folder until acked; one
     taken without (a worker's control queue) is gone at once. The messages of a consumer
-    whose lock nobody holds any more (it died) go back to their queue, ``redelivered``."""
+    whose lock nobody holds any more (it died) go back to their queue, ``redelivered``, and
+    are taken before the later ones a live consumer had listed already."""
     options = _options(tmp_path)
     unacked = tmp_path / fs_transport.UNACKED
     with Connection("filesystem://", transport=Transport, transport_options=options) as conn:
         channel: Any = conn.channel()
         channel.queue_declare("orders")
-        for body in ("a", "b", "c"):
+        for body in ("a", "b", "c", "d", "e"):
             channel.basic_publish(channel.prepare_message(body), "", "orders")
         taken = channel.basic_get("orders", no_ack=False)
         assert taken.body == b"a" and len(os.listdir(unacked)) == 1
@@ -196,9 +197,9 @@ def test_a_taken_message_is_kept_until_acknowledged_and_a_dead_consumers_come_ba
         (tmp_path / fs_transport.CONSUMERS / "gone.lock").touch()
         os.rename(unacked / held, unacked / f"gone.{original}")
         channel._taken.clear()
-        channel._recovered_at = float("-inf")
-        channel._listed_at = float("-inf")
+        channel._recovered_at = float("-inf")  # a second has passed
         again = channel.basic_get("orders", no_ack=False)
         assert again is not None and again.body == b"c"
         assert again.headers.get("redelivered") is True
         assert not (tmp_path / fs_transport.CONSUMERS / "gone.lock").exists()
+        assert [channel.basic_get("orders", no_ack=True).body for _ in "de"] == [b"d", b"e"]

@@ -86,8 +86,12 @@ def _process_consumer(folder: str) -> str:
     if name is None:
         name = uuid.uuid4().hex
         os.makedirs(folder, exist_ok=True)
-        held = open(os.path.join(folder, f"{name}.lock"), "wb")  # noqa: SIM115 - held
+        # Locked under a name no consumer looks at, then renamed into place (the lock stays
+        # with the file): no consumer ever finds this file unlocked while we live.
+        partial = os.path.join(folder, f"{name}.part")
+        held = open(partial, "wb")  # noqa: SIM115 - held for the process's life
         fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(partial, os.path.join(folder, f"{name}.lock"))
         _HELD.append(held)
         _OWN[key] = name
     return name
@@ -128,6 +132,8 @@ class Channel(filesystem.Channel):
     def _get(self, queue: str) -> Any:  # type: ignore[override]
         """The next message of ``queue``: kombu's ``_get`` (move the file out, read it,
         remove it), from the kept listing; ``Empty`` when it has none for ``queue``."""
+        if self._recover():
+            self._listed = {}  # a dead consumer's messages came back: take them first
         listed = self._listed.get(queue)
         # Its messages all taken: list again at once, as kombu would. None at the last
         # listing: list again only once that listing is LISTING_MAX_AGE old.
@@ -206,17 +212,18 @@ class Channel(filesystem.Channel):
         """This process's name in the unacked folder (see :func:`_process_consumer`)."""
         return _process_consumer(os.path.join(self.data_folder_in, CONSUMERS))
 
-    def _recover(self) -> None:
+    def _recover(self) -> bool:
         """Return the taken messages of consumers that died to their queues, and forget
-        those consumers (each consumer looks at most every :data:`RECOVER_INTERVAL` s)."""
+        those consumers (each consumer looks at most every :data:`RECOVER_INTERVAL` s);
+        True when it found a dead one."""
         if monotonic() - self._recovered_at < RECOVER_INTERVAL:
-            return
+            return False
         self._recovered_at = monotonic()
         consumers = os.path.join(self.data_folder_in, CONSUMERS)
         try:
             locks = [name for name in os.listdir(consumers) if name.endswith(".lock")]
         except FileNotFoundError:
-            return
+            return False
         mine = _OWN.get((os.getpid(), consumers))
         dead = []
         for lock in locks:
@@ -231,7 +238,7 @@ class Channel(filesystem.Channel):
                 continue  # its consumer lives (or the file just went)
             dead.append((owner, path))
         if not dead:
-            return
+            return False
         folder = os.path.join(self.data_folder_in, UNACKED)
         try:
             names = os.listdir(folder)
@@ -242,6 +249,7 @@ class Channel(filesystem.Channel):
                 self._return_taken(os.path.join(folder, name), name[len(owner) + 1 :])
             with contextlib.suppress(OSError):
                 os.remove(lock_path)
+        return True
 
     def _return_taken(self, path: str, original: str) -> None:
         """A dead consumer's taken message back into its queue, ``redelivered``, under its
@@ -262,8 +270,7 @@ class Channel(filesystem.Channel):
 
     def _list(self) -> None:
         """List the folder once: each queue's first :data:`LISTING_BATCH` message files,
-        by name (after returning the messages of consumers that died)."""
-        self._recover()
+        by name."""
         by_queue: dict[str, list[str]] = {}
         for name in os.listdir(self.data_folder_in):
             queue, dot, ext = name.partition(".")[2].rpartition(".")
