@@ -76,6 +76,20 @@ class TcpProxy:
                 sock.close()
 
 
+@contextlib.contextmanager
+def _row_locked(cluster: Cluster, run_id: str) -> Iterator[None]:
+    """Another session holds ``run_id``'s row lock (``FOR UPDATE``) inside the block."""
+    locker = create_engine(cluster.db_url)
+    try:
+        with locker.connect() as conn, conn.begin():
+            conn.execute(
+                text("SELECT id FROM celery_lease_runs WHERE id = :id FOR UPDATE"), {"id": run_id}
+            )
+            yield
+    finally:
+        locker.dispose()
+
+
 @pytest.fixture
 def pg_redis(
     pg_url: str, redis_url: str, tmp_path: Path, workers: list[Worker]
@@ -198,31 +212,24 @@ def test_ending_quietly_retries_a_database_error(pg_redis: Cluster, tmp_path: Pa
     go = tmp_path / "go"
     run_id = pg_redis.send("workerapp.gated_ignore", str(go))
     wait_for(lambda: pg_redis.effects(run_id, "start"), 30, what="the body to start")
-    locker = create_engine(pg_redis.db_url)
-    try:
-        with locker.connect() as conn, conn.begin():
-            conn.execute(
-                text("SELECT id FROM celery_lease_runs WHERE id = :id FOR UPDATE"), {"id": run_id}
-            )
-            go.touch()  # the body raises Ignore: the end waits for the row lock
+    with _row_locked(pg_redis, run_id):
+        go.touch()  # the body raises Ignore: the end waits for the row lock
 
-            def end_waits() -> bool:
-                with pg_redis.engine.connect() as probe:
-                    return bool(
-                        probe.execute(
-                            text(
-                                "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                                "current_database() AND wait_event_type = 'Lock' "
-                                "AND query LIKE 'UPDATE celery_lease_runs%'"
-                            )
-                        ).scalar()
-                    )
+        def end_waits() -> bool:
+            with pg_redis.engine.connect() as probe:
+                return bool(
+                    probe.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                            "current_database() AND wait_event_type = 'Lock' "
+                            "AND query LIKE 'UPDATE celery_lease_runs%'"
+                        )
+                    ).scalar()
+                )
 
-            wait_for(end_waits, 20, what="the end to wait for the row lock")
-            time.sleep(1.5)  # past the lock bound (1 s for 6 s leases): the first try failed
-        wait_for(lambda: pg_redis.status(run_id) == "cancelled", 4, what="the run to end ignored")
-    finally:
-        locker.dispose()
+        wait_for(end_waits, 20, what="the end to wait for the row lock")
+        time.sleep(1.5)  # past the lock bound (1 s for 6 s leases): the first try failed
+    wait_for(lambda: pg_redis.status(run_id) == "cancelled", 4, what="the run to end ignored")
     row = pg_redis.store.get(run_id)
     assert row is not None and row.failure_code == "ignored" and row.attempt == 1
     assert "could not end run" not in worker.log()
@@ -241,18 +248,9 @@ def test_a_failure_that_cannot_be_recorded_says_what_happens_next(
     go = tmp_path / "go"
     run_id = pg_redis.send("workerapp.gated_boom", str(go))
     wait_for(lambda: pg_redis.effects(run_id, "start"), 30, what="the body to start")
-    locker = create_engine(pg_redis.db_url)
-    try:
-        with locker.connect() as conn, conn.begin():
-            conn.execute(
-                text("SELECT id FROM celery_lease_runs WHERE id = :id FOR UPDATE"), {"id": run_id}
-            )
-            go.touch()  # the body raises: recording the failure waits for the row lock
-            wait_for(
-                lambda: "could not record the failure" in worker.log(), 20, what="the log line"
-            )
-    finally:
-        locker.dispose()
+    with _row_locked(pg_redis, run_id):
+        go.touch()  # the body raises: recording the failure waits for the row lock
+        wait_for(lambda: "could not record the failure" in worker.log(), 20, what="the log line")
     line = next(ln for ln in worker.log().splitlines() if "could not record the failure" in ln)
     assert f"run {run_id} attempt 1 raised ValueError: boom after the gate" in line, line
     assert "lock_not_available" in line and "runs again once its lease expires" in line, line

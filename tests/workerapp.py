@@ -706,29 +706,29 @@ def narrow_key(self: LeasedTask, n: int, secs: float = 0.0) -> int:
     return n
 
 
-@app.task(base=LeasedTask, bind=True, name="workerapp.gated_ignore")
-def gated_ignore(self: LeasedTask, gate: str) -> None:
-    """Waits (bounded) until the file ``gate`` exists, then ends the run with Ignore."""
+def _started_then_gated(task: LeasedTask, gate: str) -> None:
+    """Record the body's start, then wait (bounded) until the file ``gate`` exists."""
     from pathlib import Path
 
-    from celery.exceptions import Ignore
-
-    record(self.lease.run_id, self.lease.attempt, "start")
+    record(task.lease.run_id, task.lease.attempt, "start")
     deadline = time.monotonic() + 30
     while not Path(gate).exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.gated_ignore")
+def gated_ignore(self: LeasedTask, gate: str) -> None:
+    """Waits (bounded) until the file ``gate`` exists, then ends the run with Ignore."""
+    from celery.exceptions import Ignore
+
+    _started_then_gated(self, gate)
     raise Ignore()
 
 
 @app.task(base=LeasedTask, bind=True, name="workerapp.gated_boom")
 def gated_boom(self: LeasedTask, gate: str) -> None:
     """Waits (bounded) until the file ``gate`` exists, then raises ValueError."""
-    from pathlib import Path
-
-    record(self.lease.run_id, self.lease.attempt, "start")
-    deadline = time.monotonic() + 30
-    while not Path(gate).exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _started_then_gated(self, gate)
     raise ValueError(f"boom after the gate, attempt {self.lease.attempt}")
 
 
