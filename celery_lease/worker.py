@@ -43,6 +43,7 @@ from .runtime import (
     app_runtime,
     lease_databases,
     runtime_for,
+    worker_id,
 )
 from .sanitize import describe_exception, protect_loggers, safe_url, sanitize
 from .schema import gaps_text
@@ -425,12 +426,18 @@ def _on_task_revoked(
     """
     if not isinstance(sender, LeasedTask) or request is None or not request.id:
         return
-    if kwargs.get("terminated") and not _revoke_named(request):
-        return  # Celery ended the body itself (a cold shutdown): no one asked to cancel it
+    terminated_in = None
+    if kwargs.get("terminated"):
+        if not _revoke_named(request):
+            return  # Celery ended the body itself (a cold shutdown): no one asked to cancel it
+        # The body was killed in a process of this worker: its lease ends at once.
+        terminated_in = worker_id(sender.app)
     try:
         run_id = run_id_of(sender.name, sender.lease_config(), request)
         store = runtime_for(sender.app, sender.lease_config()).store
-        status = store.cancel(run_id, task_id=request.id, running=not expired)
+        status = store.cancel(
+            run_id, task_id=request.id, running=not expired, terminated_in=terminated_in
+        )
     except RunNotFound:
         return  # revoked before any claim: nothing recorded, nothing to end
     except Exception as exc:

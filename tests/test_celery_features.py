@@ -155,6 +155,30 @@ def test_revoke_terminate_cancels_the_run(cluster: Cluster) -> None:
     assert cluster.status(later.id) is None
 
 
+@pytest.mark.parametrize(
+    "cluster", [SETUPS[0], SETUPS[2]], ids=[SETUP_IDS[0], SETUP_IDS[2]], indirect=True
+)
+@pytest.mark.timeout(90)
+def test_revoke_terminate_ends_the_run_at_once(cluster: Cluster) -> None:
+    """revoke(terminate=True) with Celery's default signal and a long lease: the run ends
+    ``cancelled`` as soon as the body is killed. It stayed ``running`` (cancel requested)
+    until its lease expired and a sweep ended it: a minute or more with the defaults."""
+    worker = cluster.start(
+        "w1", conf={**FAST, "lease_sweep_interval": 300.0}, CL_LEASE_SECONDS="60"
+    )
+    running = cluster.send("spin", 60.0)
+    other = cluster.send("spin", 2.0)
+    wait_for(lambda: cluster.effects(running, "start"), 30, what="the body to start")
+    cluster.producer.control.revoke(running, terminate=True)
+    wait_for(lambda: cluster.status(running) == "cancelled", 10, what="cancelled")
+    row = cluster.store.get(running)
+    assert row is not None and row.failure_code == "cancelled" and row.finished_at
+    wait_for(lambda: cluster.status(other) == "succeeded", 30, what="the other run")
+    time.sleep(1.0)
+    assert len(cluster.effects(running, "start")) == 1
+    assert f"run {running} is cancelled" in worker.log()
+
+
 @SQLITE_FS
 @pytest.mark.timeout(90)
 def test_revoke_by_stamped_headers_with_terminate_cancels_the_run(cluster: Cluster) -> None:

@@ -15,7 +15,7 @@ from celery_lease import LeaseLost, LeaseStore
 from celery_lease.errors import LeaseDatabaseError, LeaseInputError
 from celery_lease.migrations import upgrade
 from celery_lease.schema import runs
-from celery_lease.store import RunNotFound
+from celery_lease.store import OTHER_DELIVERY, RunNotFound
 from celery_lease.store.driver import held_for
 
 from .helpers import driver_statements
@@ -219,6 +219,21 @@ def test_cancel(store: LeaseStore) -> None:
     assert store.cancel("r2") == "cancelled"
     with pytest.raises(RunNotFound):
         store.cancel("missing")
+
+
+def test_cancel_terminated_in_a_worker_ends_the_run_its_process_held(store: LeaseStore) -> None:
+    """cancel(terminated_in=worker id): a running run a process of that worker holds under
+    the task id ends cancelled at once; one held in another worker, or under another task
+    id, only gets a request (a worker id that is a LIKE pattern matches only itself)."""
+    claim(store, "r1", "h:1:t1.w_1", task_id="t-1")
+    claim(store, "r2", "h:2:t2.w%1", task_id="t-2")
+    claim(store, "r3", "h:1:t3.w_1", task_id="t-3")
+    assert store.cancel("r1", task_id="t-1", terminated_in="w_1") == "cancelled"
+    row = store.get("r1")
+    assert row is not None and row.failure_code == "cancelled" and row.finished_at is not None
+    assert store.cancel("r2", task_id="t-2", terminated_in="w_1") == "running"
+    assert store.cancel("r3", task_id="t-x", terminated_in="w_1") == OTHER_DELIVERY
+    assert [store.get(r).status for r in ("r2", "r3")] == ["running", "running"]  # type: ignore[union-attr]
 
 
 def _racer(url: str, barrier: Any, rounds: int, results: Any, index: int) -> None:

@@ -1259,7 +1259,14 @@ class LeaseStore:
             return conn.execute(stmt).rowcount == 1
 
     @db_errors
-    def cancel(self, run_id: str, *, task_id: str | None = None, running: bool = True) -> str:
+    def cancel(
+        self,
+        run_id: str,
+        *,
+        task_id: str | None = None,
+        running: bool = True,
+        terminated_in: str | None = None,
+    ) -> str:
         """Cancel a run: queued/retrying end ``cancelled`` at once; running get a request.
 
         Returns the resulting status (``cancelled``, or ``running`` with
@@ -1269,6 +1276,10 @@ class LeaseStore:
         another's run returns :data:`OTHER_DELIVERY`.
         With ``running=False`` a running run is left alone (an expired copy of
         its message must not stop the delivery that runs it).
+        ``terminated_in``: the id of the worker in which ``revoke(terminate=True)``
+        killed the run's body. A running run a process of that worker holds (under
+        ``task_id``: the killed body's) ends ``cancelled`` at once, as the sweeper would
+        end it once the lease expired; one held elsewhere gets a request.
         Raises :class:`RunNotFound` for an unknown id.
         """
         now = db_now_ms()
@@ -1277,18 +1288,30 @@ class LeaseStore:
             if task_id is None
             else and_(runs.c.id == run_id, runs.c.task_id == task_id)
         )
+        ended = {
+            "status": schema.CANCELLED,
+            "failure_code": "cancelled",
+            "cancel_requested_at": func.coalesce(runs.c.cancel_requested_at, now),
+            "lease_expires_at": now,  # when it ended: `lease top` counts recent ends by it
+            "finished_at": now,
+            "updated_at": now,
+        }
         at_once = (
             update(runs)
             .where(own, runs.c.status.in_((schema.QUEUED, schema.RETRYING)))
-            .values(
-                status=schema.CANCELLED,
-                failure_code="cancelled",
-                cancel_requested_at=now,
-                lease_expires_at=now,  # when it ended: `lease top` counts recent ends by it
-                finished_at=now,
-                updated_at=now,
-            )
+            .values({**ended, "cancel_requested_at": now})
         )
+        held_by_killed = None
+        if terminated_in:
+            held_by_killed = (
+                update(runs)
+                .where(
+                    own,
+                    runs.c.status == schema.RUNNING,
+                    runs.c.lease_owner.endswith(f".{terminated_in}", autoescape=True),
+                )
+                .values(ended)
+            )
         request = (
             update(runs)
             .where(own, runs.c.status == schema.RUNNING)
@@ -1299,6 +1322,8 @@ class LeaseStore:
         )
         with self.db.connect() as conn:
             if conn.execute(at_once).rowcount == 1:
+                return schema.CANCELLED
+            if held_by_killed is not None and conn.execute(held_by_killed).rowcount == 1:
                 return schema.CANCELLED
             if running and conn.execute(request).rowcount == 1:
                 return schema.RUNNING
@@ -1314,7 +1339,9 @@ class LeaseStore:
             return str(status)
         if status not in schema.TERMINAL_STATUSES:
             # It changed status between the statements: try again.
-            return self.cancel(run_id, task_id=task_id, running=running)
+            return self.cancel(
+                run_id, task_id=task_id, running=running, terminated_in=terminated_in
+            )
         return str(status)
 
     @db_errors
