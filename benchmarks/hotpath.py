@@ -23,6 +23,7 @@ import pstats
 import resource
 import shutil
 import socket
+import sqlite3
 import tempfile
 import time
 import uuid
@@ -260,6 +261,13 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
             watchdog.unwatch(lease)
 
         out.append(("  of which watchdog watch + unwatch", _timeit(watch, n)))
+        if store.engine.dialect.name == "sqlite":
+            out.append(
+                (
+                    "floor: the sqlite3 module alone, INSERT + guarded UPDATE, PK-only table",
+                    _sqlite_floor(n),
+                )
+            )
         # Last, as it changes the table: what the runs table's secondary indexes (sweeper,
         # per-key concurrency, retention, the web view's pages) cost the two statements.
         for index in schema.runs.indexes:
@@ -273,6 +281,39 @@ def pieces(app: Celery, task: Any, n: int) -> list[tuple[str, float]]:
     finally:
         task.pop_request()
     return out
+
+
+def _sqlite_floor(n: int) -> float:
+    """CPU µs per task of the least two durable SQLite writes a leased task could make:
+    Python's ``sqlite3`` alone (no SQLAlchemy, no celery-lease), a fresh WAL file with the
+    store's settings (``synchronous = NORMAL``), a table with its primary key only, each
+    statement its own transaction: an ``INSERT`` of the claim and the guarded ``UPDATE`` of
+    the completion. No design that claims before the body and completes after it can go
+    below this."""
+    folder = tempfile.mkdtemp(prefix="celery-lease-floor-")
+    conn = sqlite3.connect(str(Path(folder) / "floor.sqlite3"), isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(
+            "CREATE TABLE runs (id TEXT PRIMARY KEY, status TEXT, lease_owner TEXT, "
+            "attempt INTEGER, lease_expires_at INTEGER)"
+        )
+        ids = iter(range(10**9))
+
+        def claim_complete() -> None:
+            run_id = f"floor-{next(ids)}"
+            conn.execute("INSERT INTO runs VALUES (?, 'running', 'o', 1, 0)", (run_id,))
+            conn.execute(
+                "UPDATE runs SET status = 'succeeded', lease_owner = NULL WHERE id = ? "
+                "AND lease_owner = 'o' AND attempt = 1 AND status = 'running'",
+                (run_id,),
+            )
+
+        return _timeit(claim_complete, n)
+    finally:
+        conn.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stop(app: Celery) -> None:
