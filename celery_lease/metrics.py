@@ -69,7 +69,7 @@ SETTING = "lease_metrics"
 #: Heartbeat latency buckets, in seconds (one UPDATE: milliseconds, unless the DB struggles).
 HEARTBEAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-_SWEEP_ACTIONS = ("expired", "stranded", "failed", "cancelled", "handoff")
+_SWEEP_ACTIONS = ("expired", "stranded", "failed", "cancelled", "handoff", "undeliverable")
 
 _lock = threading.Lock()
 #: The metrics in prometheus_client's global ``REGISTRY``, made on first use.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -315,3 +316,21 @@ def test_followups_are_counted_by_outcome(app: Celery, registry: CollectorRegist
     refused = OutboxRecord("r:followup:1.1", "r", "metrics.mail", b"x", "application/x-yaml", 0)
     send(app, store_for(app), [refused], app_runtime(app).events, swept=True)
     assert value(registry, "celery_lease_followups_total", outcome="dropped") == 1
+
+
+def test_every_documented_sweep_action_is_exported_from_the_start(
+    app: Celery, registry: CollectorRegistry
+) -> None:
+    """Each ``action`` operations.md lists for ``celery_lease_sweep_recovered_total`` is a
+    series at 0 before the first sweep, so an ``increase()`` alert sees it from the start
+    (``undeliverable`` appeared only once a run had ended so)."""
+    row = next(
+        line
+        for line in (REPO / "docs" / "operations.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `celery_lease_sweep_recovered_total` |")
+    )
+    actions = re.findall(r"`([a-z]+)`", row.split("|")[3].partition("=")[2])
+    assert "undeliverable" in actions and "expired" in actions, row
+    for action in actions:
+        sample = registry.get_sample_value("celery_lease_sweep_recovered_total", {"action": action})
+        assert sample == 0.0, action

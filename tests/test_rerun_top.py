@@ -287,7 +287,13 @@ def test_top_once_shows_a_workers_live_lease(cluster: Cluster) -> None:
     out = proc.stdout
     assert "\x1b" not in out
     assert "running 1 (expired 0" in out and "retrying 0" in out
+    # The labels say what they count: runs that went retrying in the window (not a rate),
+    # and how long ago the run was first claimed (not how long this attempt has run).
+    assert "retried 0" in out and "retries/min" not in out
+    header = next(line for line in out.splitlines() if line.startswith("ID "))
+    assert "FIRST CLAIM" in header and "RUNNING" not in header, header
     line = next(line for line in out.splitlines() if line.startswith(run_id))
+    assert " ago" in line.split("1/2", 1)[1], line
     cells = line.split()
     assert cells[1] == "workerapp.watch" and cells[2].startswith("w1@")
     assert cells[3] == "1/2" and cells[4].endswith("s")

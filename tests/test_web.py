@@ -354,6 +354,9 @@ def test_overview_counts(db_url: str) -> None:
     recovery = {c["name"]: c["count"] for c in data["recovery"]}
     assert recovery == {"taken_over": 1, "republished": 2, "ended_expired": 1}
     assert data["oldest"]["id"] == "a"
+    # Its time is since the run's first claim, and says so (not "running for").
+    page = client(url).get("/").text
+    assert "first claimed " in page and "running for" not in page
     # A task's page counts the same, for that task alone.
     for task, statuses, counted in (
         ("shop.charge", {"running": 3, "failed": 1}, (1, 0, 1)),

@@ -52,7 +52,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
         f"retrying {counts[RETRYING]}",
         "last 60s  "
         + "  ".join(f"{status} {ended[status]}" for status in sorted(ended))
-        + f"  retries/min {activity.retried_recently}",
+        + f"  retried {activity.retried_recently}",
     ]
     if paused_tasks:
         lines.append(
@@ -84,7 +84,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
                 "-"
                 if r.cancel_requested_at is None
                 else format_relative(r.cancel_requested_at, now),
-                "-" if r.started_at is None else format_duration(now - r.started_at),
+                "-" if r.started_at is None else format_relative(r.started_at, now),
                 run_progress_text(r.status, r.terminal, r.progress_done, r.progress_total),
             )
         )
@@ -97,7 +97,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
             "LEFT",
             "HEARTBEAT",
             "CANCEL",
-            "RUNNING",
+            "FIRST CLAIM",
             "DONE",
         )
         lines.append(common.render_table(headers, rows))

@@ -151,7 +151,7 @@
         a.href = runHref(o.id);
         a.textContent = o.id;
         oldest.replaceChildren(a, document.createTextNode(
-          " (" + o.task + ", " + o.owner + ", running for " + o.running_for + ", " + o.lease + ")"));
+          " (" + o.task + ", " + o.owner + ", first claimed " + o.running_for + " ago, " + o.lease + ")"));
       } else {
         oldest.textContent = "none";
       }
