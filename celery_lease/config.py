@@ -38,12 +38,19 @@ DAY = 86_400.0
 #: ``lease_ms`` column (24.8 days); a week is the sane ceiling for a lease that a
 #: heartbeat renews anyway, and the longest a crashed worker's run would wait.
 MAX_LEASE_SECONDS = 7 * DAY
+#: The shortest lease: the store bounds every database wait of a process by a share of
+#: the shortest lease its tasks use, so a shorter one would cut every task's statements.
+MIN_LEASE_SECONDS = 1.0
+#: The shortest heartbeat: one renewal statement per tick for the whole process.
+MIN_HEARTBEAT_SECONDS = 0.1
 MAX_BACKOFF_SECONDS = DAY
 MAX_SWEEP_INTERVAL = DAY
 MAX_ATTEMPTS = 10_000
 MAX_CONCURRENCY = 100_000
 #: The fastest ``lease_rate_limit``: one slot per millisecond, the clock's resolution.
 MAX_RATE_PER_SECOND = 1000.0
+#: At least one slot a day: a slower rate's interval overflows the slot arithmetic.
+MIN_RATE_PER_SECOND = 1 / 86400
 MAX_RATE_BURST = 100_000
 _RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 #: ``lease_retention`` when unset: a week of finished rows (see the settings docs).
@@ -170,12 +177,16 @@ class LeaseConfig:
     @classmethod
     def from_mapping(cls, conf: Mapping[str, Any]) -> LeaseConfig:
         """Validate ``lease_*`` keys from any mapping (``app.conf``, a dict)."""
-        lease_seconds = _positive(conf, "lease_seconds", 30.0, MAX_LEASE_SECONDS)
+        lease_seconds = _positive(
+            conf, "lease_seconds", 30.0, MAX_LEASE_SECONDS, minimum=MIN_LEASE_SECONDS
+        )
         heartbeat = conf.get("lease_heartbeat_interval")
         heartbeat_interval = (
             lease_seconds / 3.0
             if heartbeat is None
-            else _positive(conf, "lease_heartbeat_interval", heartbeat)
+            else _positive(
+                conf, "lease_heartbeat_interval", heartbeat, minimum=MIN_HEARTBEAT_SECONDS
+            )
         )
         # A renewal moves the local deadline to its send time + lease_seconds - margin;
         # the next is sent a heartbeat later, and a failed or slow one is tried again
@@ -344,6 +355,8 @@ def _rate_limit(conf: Mapping[str, Any]) -> str | None:
         raise ImproperlyConfigured(
             f"lease_rate_limit must look like '20/s', '300/m' or '100/h': {exc}"
         ) from None
+    if per_second < MIN_RATE_PER_SECOND:
+        raise ImproperlyConfigured(f"lease_rate_limit must be at least one per day, got {value!r}")
     if per_second > MAX_RATE_PER_SECOND:
         raise ImproperlyConfigured(
             f"lease_rate_limit must be at most {MAX_RATE_PER_SECOND:g}/s (one slot per "
@@ -362,13 +375,19 @@ def _number(conf: Mapping[str, Any], key: str, default: float) -> float:
 
 
 def _positive(
-    conf: Mapping[str, Any], key: str, default: float, maximum: float | None = None
+    conf: Mapping[str, Any],
+    key: str,
+    default: float,
+    maximum: float | None = None,
+    minimum: float | None = None,
 ) -> float:
     value = _number(conf, key, default)
     if not value > 0 or value != value or value == float("inf"):
         raise ImproperlyConfigured(f"{key} must be a positive, finite number, got {value!r}")
     if maximum is not None and value > maximum:
         raise ImproperlyConfigured(f"{key} must be at most {maximum:g} seconds, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{key} must be at least {minimum:g} seconds, got {value!r}")
     return value
 
 
@@ -426,9 +445,15 @@ def _name(conf: Mapping[str, Any], key: str) -> str | None:
     value = conf.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > 100:
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > 100
+        or "\x00" in value
+        or not value.isprintable()
+    ):
         raise ImproperlyConfigured(
-            f"{key} must be a non-empty string of <= 100 chars, got {value!r}"
+            f"{key} must be a non-empty string of <= 100 printable chars, got {value!r}"
         )
     return value
 

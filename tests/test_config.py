@@ -18,9 +18,11 @@ INVALID: list[tuple[str, Any]] = [
     ("lease_seconds", "30"),
     ("lease_seconds", float("nan")),
     ("lease_heartbeat_interval", 0),
+    ("lease_heartbeat_interval", 1e-6),  # under 0.1 s: a renewal statement per microsecond
     ("lease_heartbeat_interval", 27),  # at/after the local deadline (26.97 s of 30 s)
     ("lease_heartbeat_interval", 30),
     ("lease_heartbeat_interval", 45),
+    ("lease_seconds", 0.001),  # under 1 s: the store's waits follow the shortest lease
     ("lease_max_attempts", 0),
     ("lease_max_attempts", 2.5),
     ("lease_max_attempts", True),
@@ -33,6 +35,9 @@ INVALID: list[tuple[str, Any]] = [
     ("lease_key", "order_id"),
     ("lease_namespace", ""),
     ("lease_namespace", 7),
+    ("lease_namespace", "a\x00b"),
+    ("lease_namespace", "a\ud800b"),
+    ("lease_rate_limit", "1e-300/s"),  # a slot interval no BIGINT holds
     ("lease_concurrency_key", 3),
     ("lease_max_concurrency", 0),
     ("lease_sweep_interval", -5),

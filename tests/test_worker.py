@@ -208,6 +208,14 @@ def test_invalid_setting_refuses_to_start_worker(sqlite_url: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_lease_under_a_second_refuses_to_start_worker(sqlite_url: str) -> None:
+    """lease_seconds = 0.001 was accepted; the store then bounds every database wait of the
+    worker's processes by a third of it (0.33 ms), and other tasks' runs lost their leases."""
+    line = _start_refused({"CL_LEASE_DB": sqlite_url, "CL_BAD_SETTING": "lease_seconds=0.001"})
+    assert "lease_seconds must be at least 1 seconds, got 0.001" in line
+
+
+@pytest.mark.timeout(60)
 def test_unknown_lease_key_refuses_to_start_worker(sqlite_url: str) -> None:
     """A misspelled lease_* key stops the worker, suggesting the close match."""
     line = _start_refused({"CL_LEASE_DB": sqlite_url, "CL_BAD_SETTING": "lease_secnds=3"})
