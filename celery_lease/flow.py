@@ -53,9 +53,11 @@ def slot_of(request: Any) -> int | None:
     if isinstance(value, bool):
         return None
     try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
+        slot = int(value) if value is not None else None
+    except (TypeError, ValueError, OverflowError):
         return None
+    # A slot is a time in epoch ms (a BIGINT): any other value names no recorded slot.
+    return slot if slot is None or 0 <= slot < 2**63 else None
 
 
 def without_slot(headers: Any) -> dict[str, Any]:

@@ -335,7 +335,24 @@ def check_run_id(run_id: object, field: str = "run_id") -> str:
         raise LeaseInputError(
             field, f"is {len(run_id)} characters long; at most {MAX_ID_LENGTH} fit the column"
         )
+    # The same refusal on every database: PostgreSQL refuses a NUL, none stores a lone
+    # surrogate (SQLite kept a NUL, the drivers raised UnicodeEncodeError on a surrogate).
+    _check_text(field, run_id, MAX_ID_LENGTH)
     return run_id
+
+
+def check_retries(value: object) -> int:
+    """Celery's ``retries`` of a message as the ``payload_retries`` column holds it, else
+    :class:`LeaseInputError` (a forged or foreign message: not an integer, or outside
+    0 to 2**31 - 1)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LEASE_MS:
+        raise LeaseInputError(
+            "retries",
+            f"the message's retries must be an integer from 0 to {MAX_LEASE_MS}, got {value!r:.40}",
+        )
+    return value
 
 
 def check_claim_inputs(

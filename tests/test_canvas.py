@@ -233,6 +233,32 @@ def test_completed_then_raised_reports_success(cluster: Cluster) -> None:
     assert commits(cluster, res.id) == [1]
 
 
+@pytest.mark.timeout(120)
+def test_hostile_task_ids_and_retries_fail_alone_with_the_field_named(cluster: Cluster) -> None:
+    """Messages a caller or a forger can send with values no database stores the same way:
+    a task id with a NUL (PostgreSQL refused it as bad data, SQLite kept it), ``retries``
+    past 2**31 or not an integer (an
+    out-of-range error on PostgreSQL, OverflowError on SQLite, a bare ValueError). Each
+    fails alone, naming the field, on every database; the worker runs the next task."""
+    cluster.start("w1", conf=FAST)
+    sent = []
+    task_id = "bad\x00id-" + uuid.uuid4().hex[:8]  # (a lone surrogate cannot be sent as JSON)
+    cluster.producer.send_task("workerapp.step", args=(1,), task_id=task_id, queue=cluster.queue)
+    sent.append((task_id, "lease_input_invalid: run_id: contains a NUL character"))
+    for retries in (2**40, "abc"):
+        task_id = uuid.uuid4().hex
+        cluster.producer.send_task(
+            "workerapp.step", args=(1,), task_id=task_id, queue=cluster.queue, retries=retries
+        )
+        sent.append((task_id, "lease_input_invalid: retries: the message's retries must be"))
+    for task_id, error in sent:
+        with pytest.raises(Exception) as failed:
+            result(cluster, task_id).get(timeout=30)
+        assert error in str(failed.value), (task_id, failed.value)
+    ok = cluster.send("step", 4)
+    assert result(cluster, ok).get(timeout=30) == 5
+
+
 @pytest.mark.timeout(90)
 def test_bad_key_is_a_clear_error_in_the_worker(cluster: Cluster) -> None:
     """A lease_key returning None fails the task with InvalidLeaseKey; no row "None"."""

@@ -128,9 +128,10 @@ def test_wrapped_errors_survive_pickling_and_celery_rebuilding() -> None:
 
 
 def test_check_run_id_bounds_the_id_column() -> None:
-    """check_run_id accepts 255 characters and refuses 256, empty and non-strings."""
+    """check_run_id accepts 255 characters and refuses 256, empty and non-strings, and text
+    no database stores the same way (a NUL, a lone surrogate)."""
     assert check_run_id("k" * 255) == "k" * 255
-    for bad in ("k" * 256, "", None, 5):
+    for bad in ("k" * 256, "", None, 5, "a\x00b", "a\ud800b"):
         with pytest.raises(LeaseInputError) as refused:
             check_run_id(bad)
         assert refused.value.field == "run_id"

@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 import celery_lease
 from celery_lease import LeaseBusy, LeaseConfig, LeasedTask, LeaseStore
-from celery_lease.flow import FlowPump, release
+from celery_lease.flow import SLOT_HEADER, FlowPump, release, slot_of
 from celery_lease.runtime import store_for
 from celery_lease.schema import HELD_PAUSED, HELD_RATE, rates
 from tests.cluster import SETUP_IDS, SETUPS, TWO_SETUPS_AND_MARIADB, Cluster
@@ -470,3 +470,13 @@ def test_a_pause_reason_is_redacted_where_it_is_stored(cluster: Cluster) -> None
         assert "***4242" in shown and "incident" in shown, shown
         assert "4242 4242" not in shown and "cvc 123" not in shown and "hunter2" not in shown
     lease_cli(cluster, "resume", "workerapp.work")
+
+
+def test_a_slot_header_no_bigint_holds_names_no_slot() -> None:
+    """A forged rate-slot header past a BIGINT (2**63, it failed the claim with "bigint out
+    of range" on PostgreSQL), negative, or not a number names no recorded slot."""
+    from types import SimpleNamespace
+
+    for bad in (2**63, 10**30, -1, "x", 1.5e300, True):
+        assert slot_of(SimpleNamespace(headers={SLOT_HEADER: bad})) is None, bad
+    assert slot_of(SimpleNamespace(headers={SLOT_HEADER: 1_700_000_000_000})) == 1_700_000_000_000

@@ -24,6 +24,7 @@ from ..followups import Followups
 from ..hooks import Hooks, RunHook
 from ..owner import new_owner
 from ..runtime import Runtime, app_runtime, runtime_for, worker_id
+from ..schema import check_retries
 from ..store import LeaseStore
 from .runids import concurrency_key, run_id_of
 
@@ -160,7 +161,7 @@ class Delivery:
         A plain call or an eager ``apply()`` stores none: no sweep may send it
         to workers.
         """
-        retries = int(self.request.retries or 0)
+        retries = check_retries(self.request.retries)
         if self.direct:
             return {"payload": None, "payload_content_type": None, "retries": retries}
         signature = self.task.signature_from_request(self.request, self.args, self.kwargs)
