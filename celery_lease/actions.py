@@ -289,6 +289,8 @@ def rerun_runs(
     if dry_run or not matched:
         first = store.reads.page_runs(dataclasses.replace(query, limit=BULK_SAMPLE))
         sample = [r.id for r in first]
+        if not matched and task_name not in app.tasks:
+            what += f" (no task named {task_name!r} is registered in this app: a typo?)"
         return BulkRerun(
             task_name,
             status,

@@ -564,6 +564,12 @@ def test_bulk_rerun_with_dry_run_and_progress(cli: Cli, store: LeaseStore) -> No
     assert again.startswith("1 cancelled run of cli_app.charge queued again"), again
     none = cli.ok("rerun", "--task", "cli_app.charge", "--status", "cancelled", "--dry-run")
     assert none == "dry run: no cancelled runs of cli_app.charge: nothing to rerun\n"
+    # A task name the app does not know: said so, a typo is likely (it said only "nothing").
+    typo = cli.ok("rerun", "--task", "cli_app.chrage", "--status", "failed", "--dry-run")
+    assert typo == (
+        "dry run: no failed runs of cli_app.chrage (no task named 'cli_app.chrage' is "
+        "registered in this app: a typo?): nothing to rerun\n"
+    ), typo
 
 
 def test_bulk_rerun_refuses_bad_input_with_one_line(cli: Cli, store: LeaseStore) -> None:
