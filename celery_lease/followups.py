@@ -34,6 +34,7 @@ from typing import Any
 
 from celery import Celery
 from celery.canvas import Signature
+from celery.utils.time import maybe_iso8601
 from kombu.serialization import dumps
 
 from .errors import LeaseError, LeaseInputError, migrate_hint
@@ -104,6 +105,7 @@ class Followups:
             args, kwargs = tuple(sig.args or ()), dict(sig.kwargs or {})
             task = self.app.tasks.get(name)
             _check_arguments(task, what, args, kwargs)
+            self._check_timing(what, name, options)
             body = {"task": name, "args": list(args), "kwargs": kwargs, "options": options}
             serializer = getattr(task, "serializer", None) or self.app.conf.task_serializer
             try:
@@ -125,6 +127,25 @@ class Followups:
             task_id = followup_task_id(run_id, attempt, first + index)
             messages.append(FollowupMessage(task_id, name, bytes(data), content_type))
         return messages
+
+    def _check_timing(self, what: str, name: str, options: dict[str, Any]) -> None:
+        """Celery's own conversion of ``countdown``, ``eta`` and ``expires`` (as its publish
+        makes it), now rather than at the publish: a follow-up it would refuse (a countdown
+        past any date, an ``eta`` that is no datetime) could never be sent, and stayed in
+        the outbox, before the others, until retention."""
+        timing = {k: options[k] for k in ("countdown", "eta", "expires") if k in options}
+        if not timing:
+            return
+        try:
+            self.app.amqp.as_task_v2("check", name, **timing)
+            for key in ("eta", "expires"):  # a string is sent as is; the worker parses it
+                if isinstance(timing.get(key), str):
+                    maybe_iso8601(timing[key])
+        except Exception as exc:
+            shown = ", ".join(f"{k}={v!r:.40}" for k, v in timing.items())
+            raise LeaseInputError(
+                "send", f"{what}: Celery cannot publish it with {shown}: {exc}"
+            ) from None
 
     def committed(self, task_ids: list[str]) -> None:
         """The transaction that recorded ``task_ids`` is committing (SQLAlchemy's commit

@@ -61,6 +61,23 @@ def test_a_row_is_taken_once_until_its_take_is_stale(store: LeaseStore) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_rows_a_publish_keeps_failing_on_do_not_starve_the_rest(store: LeaseStore) -> None:
+    """The sweeper takes rows never taken first, then those taken longest ago: with more
+    failing rows than one take holds, a later row is still reached (it took the oldest
+    by creation each time, so 500 rows that never publish kept the rest waiting)."""
+    with store.transaction() as conn:
+        store.outbox.record(conn, "r", [message(f"bad{i}") for i in range(3)])
+    time.sleep(0.01)
+    with store.transaction() as conn:
+        store.outbox.record(conn, "r", [message("good")])
+    time.sleep(0.05)
+    first = [row.task_id for row in store.outbox.take(stale_ms=10, limit=3)]
+    assert first == ["bad0", "bad1", "bad2"]  # their publish fails: they stay taken
+    time.sleep(0.05)
+    assert next(row.task_id for row in store.outbox.take(stale_ms=10, limit=3)) == "good"
+
+
+@pytest.mark.timeout(60)
 def test_the_sweeper_takes_only_rows_older_than_its_age(store: LeaseStore) -> None:
     """take() without ids: only rows recorded at least ``older_than_ms`` ago."""
     with store.transaction() as conn:
@@ -208,6 +225,19 @@ def _chain(app: Celery) -> Any:
         (lambda app: app.tasks["shop.receipt"].s("x" * 70_000), "at most 65536 are kept"),
         (lambda app: app.tasks["shop.receipt"].s(object()), "cannot be serialized with 'json'"),
         (lambda app: [app.tasks["shop.receipt"].s("1")] * 101, "101 follow-ups at once"),
+        # Options Celery's publish would refuse: the row could never be sent.
+        (
+            lambda app: app.tasks["shop.receipt"].s("1").set(countdown=-1e30),
+            "Celery cannot publish it with countdown=-1e+30",
+        ),
+        (
+            lambda app: app.tasks["shop.receipt"].s("1").set(eta="tomorrow"),
+            "Celery cannot publish it with eta='tomorrow'",
+        ),
+        (
+            lambda app: app.tasks["shop.receipt"].s("1").set(expires=float("nan")),
+            "Celery cannot publish it with expires=nan",
+        ),
     ],
 )
 @pytest.mark.timeout(60)

@@ -62,11 +62,12 @@ class OutboxStore:
         stale_ms: int,
         limit: int = 500,
     ) -> list[OutboxRecord]:
-        """Committed follow-ups to publish now, oldest first, each taken by a guarded
+        """Committed follow-ups to publish now, each taken by a guarded
         ``UPDATE`` (two publishers never both take one; a taker that died is taken over
         after ``stale_ms``). With ``task_ids``, only those; else only rows recorded at
         least ``older_than_ms`` ago (the sweeper's: what no committing process sent).
-        Rows of a transaction not committed yet are not seen."""
+        Rows of a transaction not committed yet are not seen. Rows never taken come
+        first, then the ones taken longest ago, then the oldest."""
         now = db_now_ms()
         free = or_(outbox.c.taken_at.is_(None), outbox.c.taken_at < now - stale_ms)
         where = [free]
@@ -77,7 +78,19 @@ class OutboxStore:
             where.append(outbox.c.task_id.in_(ids))
         if older_than_ms > 0:
             where.append(outbox.c.created_at <= now - older_than_ms)
-        stmt = select(outbox).where(*where).order_by(outbox.c.created_at).limit(limit)
+        # Never taken first, then the longest since a take, then the oldest: rows a publish
+        # keeps failing on go to the back, and never starve the ones behind them.
+        stmt = (
+            select(outbox)
+            .where(*where)
+            .order_by(
+                outbox.c.taken_at.is_not(None),
+                outbox.c.taken_at,
+                outbox.c.created_at,
+                outbox.c.task_id,
+            )
+            .limit(limit)
+        )
         taken: list[OutboxRecord] = []
         with self.db.connect() as conn:
             for row in conn.execute(stmt).mappings().all():
