@@ -420,8 +420,19 @@ def check_checkpoint_value(state: Any) -> None:
     deeper than :data:`MAX_CHECKPOINT_DEPTH`, a lone surrogate in a string, or a
     string alone longer than the whole checkpoint may be (checked before encoding)."""
     stack: list[tuple[Any, int]] = [(state, 1)]
+    # A lower bound of the JSON's size, summed as the walk goes: each value takes a byte at
+    # least, a string its length. Past the limit it cannot fit, however many times a list
+    # or a string is shared ([big] * 60000 would otherwise be walked 60000 times).
+    least = 0
     while stack:
         value, depth = stack.pop()
+        least += 1 + (len(value) if isinstance(value, str) else 0)
+        if least > MAX_CHECKPOINT_BYTES:
+            raise LeaseInputError(
+                "checkpoint",
+                f"its compact JSON is over {MAX_CHECKPOINT_BYTES} bytes "
+                "(checkpoint a cursor or an offset, not the data)",
+            )
         if isinstance(value, str):
             # A NUL is fine here: the JSON text escapes it (as ``\u0000``).
             _check_text("checkpoint", value, MAX_CHECKPOINT_BYTES, nul=True)

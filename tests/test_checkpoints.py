@@ -139,6 +139,22 @@ def test_checkpoint_bound_and_json_checked_before_any_sql(store: LeaseStore) -> 
     assert lease.last_checkpoint == fits
 
 
+@pytest.mark.timeout(30)
+def test_a_checkpoint_sharing_big_parts_is_refused_at_once(store: LeaseStore) -> None:
+    """A list holding one 60,000-item list 60,000 times (or one 60,000-character string):
+    refused in well under a second. The check walked every copy, pinning the worker's
+    process for minutes on its way to 21 GB of JSON."""
+    lease = lease_for(store, claim(store, "r1", "A"))
+    shared = list(range(60_000))
+    for bad in ([shared] * 60_000, ["x" * 60_000] * 60_000, {"a": [shared, shared]}):
+        started = time.monotonic()
+        with pytest.raises(LeaseInputError, match="its compact JSON is over 65536 bytes"):
+            lease.checkpoint(bad)
+        assert time.monotonic() - started < 1.0
+    row = store.get("r1")
+    assert row is not None and row.checkpoint is None
+
+
 @pytest.mark.timeout(60)
 def test_progress_rides_the_renewal_statement(store: LeaseStore) -> None:
     """Progress is written by the heartbeat's renewal: the same statements as a tick
