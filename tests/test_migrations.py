@@ -30,6 +30,7 @@ from celery_lease.migrations import (
     alembic_config,
     current,
     head,
+    migration_bounds,
     schema_differences,
     upgrade,
 )
@@ -122,6 +123,48 @@ def test_foreign_table_with_our_name_is_refused(db_url: str) -> None:
     with pytest.raises(MigrationError, match="differs from this version's schema"):
         upgrade(db_url)
     assert VERSION_TABLE not in _tables(db_url)
+
+
+def test_a_database_at_a_revision_this_version_does_not_ship_is_one_line(db_url: str) -> None:
+    """`lease migrate` of a database a newer celery-lease migrated (or an older release's
+    migrate during a rolling deploy): one line naming the revision, exit 1 (it printed
+    Alembic's traceback, "Can't locate revision identified by '0099'")."""
+    upgrade(db_url)
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0099'"))
+    engine.dispose()
+    proc = _migrate_cli(db_url)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "the database is at revision '0099', which this version does not ship" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_shortest_lease_in_use_counts_runs_that_ended_within_the_hour(db_url: str) -> None:
+    """An idle worker of the previous release (a 3 s lease this app does not know) may
+    claim again during the migration: the lease of a run that ended within the hour counts,
+    as a running one's does (with nothing running, migrate used this app's longer lease)."""
+    upgrade(db_url)
+    store = LeaseStore.from_url(db_url)
+    for run_id, lease_ms in (("old-short", 3_000), ("new-long", 30_000)):
+        claim = store.claim(run_id, "o:1:x", task_name="t", lease_ms=lease_ms, max_attempts=3)
+        store.complete(run_id, "o:1:x", claim.attempt)
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            assert migration_bounds(conn, 30.0).shortest_lease == 3.0
+            conn.execute(
+                text(
+                    f"UPDATE {TABLE_NAME} SET finished_at = finished_at - 7200000 "
+                    "WHERE id = 'old-short'"
+                )
+            )
+            conn.commit()
+            assert migration_bounds(conn, 30.0).shortest_lease == 30.0  # two hours ago
+    finally:
+        engine.dispose()
+        store.dispose()
 
 
 def test_migrated_database_serves_the_store(db_url: str) -> None:
@@ -413,6 +456,14 @@ def test_a_change_that_never_gets_its_lock_stops_after_the_total(
             took = time.monotonic() - started
             holder.rollback()
             assert info.value.tries >= 3 and 1.5 < took < 15, (info.value.tries, took)
+            # The line names its code and the wait each try had: MariaDB's lock_wait_timeout
+            # is whole seconds, so 0.1 s is no wait at all (it said "at most 0.1 s").
+            message = str(info.value)
+            assert message.startswith("ddl_lock_timeout: "), message
+            each = {"postgresql": ("of at most 0.1 s",)}.get(
+                backend, ("without waiting (NOWAIT)", "of at most 1 s")
+            )
+            assert any(words in message for words in each), message
         with engine.connect() as conn:
             assert _revision(conn) == "0001"
     finally:

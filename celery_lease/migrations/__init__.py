@@ -154,6 +154,12 @@ def _known(revision: str) -> None:
         ) from None
 
 
+def _ships(revision: str) -> bool:
+    """Whether this package ships ``revision``."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return any(r.revision == revision for r in script.walk_revisions())
+
+
 def head() -> str:
     """The newest revision this package ships."""
     revision = ScriptDirectory.from_config(alembic_config()).get_current_head()
@@ -220,6 +226,12 @@ def _upgrade(connection: Connection, revision: str, bounds: MigrationBounds) -> 
     has_runs = inspector.has_table(TABLE_NAME)
     has_history = inspector.has_table(VERSION_TABLE)
     before = current(connection) if has_history else None
+    if before is not None and not _ships(before):
+        raise MigrationError(
+            f"the database is at revision {before!r}, which this version does not ship "
+            f"(its newest is {head()}): a newer celery-lease migrated it; run `lease migrate` "
+            "of that version, or upgrade this one"
+        )
     config = alembic_config(connection, bounds=bounds)
     adopted = False
     if has_runs and before is None:

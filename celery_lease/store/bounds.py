@@ -7,7 +7,7 @@ import dataclasses
 
 from sqlalchemy import Connection, func, inspect, select
 
-from ..schema import RUNNING, runs
+from ..schema import RUNNING, TERMINAL_STATUSES, db_now_ms, runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +83,32 @@ class MigrationBounds:
         )
 
 
+#: How recently a run must have ended for its lease to count as one in use (an hour).
+RECENT_LEASE_MS = 3_600_000
+
+
 def shortest_running_lease(connection: Connection) -> float | None:
-    """The shortest lease (seconds) among running runs, whichever release's workers hold
-    them; None without any (or without a runs table that has the columns)."""
+    """The shortest lease (seconds) among runs running now or ended within
+    :data:`RECENT_LEASE_MS`, whichever release's workers took them; None without any (or
+    without a runs table that has the columns).
+
+    A recent run counts as well as a running one: an idle worker of the previous release
+    (its settings unknown to this one) may claim again while the migration runs. Read on
+    index ranges: ``(status, lease_expires_at)`` for running runs, the ``(status,
+    finished_at)`` index for each ending status.
+    """
     inspector = inspect(connection)
     if not inspector.has_table(runs.name):
         return None
     present = {column["name"] for column in inspector.get_columns(runs.name)}
-    if not {"status", "lease_ms"} <= present:  # a foreign table: migrate refuses it
+    if not {"status", "lease_ms", "finished_at"} <= present:  # a foreign table: refused
         return None
-    shortest = connection.execute(
-        select(func.min(runs.c.lease_ms)).where(runs.c.status == RUNNING)
-    ).scalar()
-    return None if shortest is None else int(shortest) / 1000.0
+    # A scalar subquery, evaluated once: an index bound (the clock is volatile).
+    since = select(db_now_ms() - RECENT_LEASE_MS).scalar_subquery()
+    shortest = select(func.min(runs.c.lease_ms))
+    found = [connection.execute(shortest.where(runs.c.status == RUNNING)).scalar()]
+    for status in sorted(TERMINAL_STATUSES):
+        ended = shortest.where(runs.c.status == status, runs.c.finished_at >= since)
+        found.append(connection.execute(ended).scalar())
+    known = [int(value) for value in found if value is not None]
+    return min(known) / 1000.0 if known else None

@@ -115,11 +115,13 @@ class DDLLockTimeout(LeaseError):
 
     def __init__(self, bounds: MigrationBounds, tries: int, each: float | None = None) -> None:
         each = bounds.lock_wait if each is None else each
+        waits = "without waiting (NOWAIT)" if each == 0 else f"of at most {each:g} s"
         super().__init__(
-            f"a schema change on celery_lease_runs did not get its lock in {bounds.total:g} s "
-            f"({tries} {'try' if tries == 1 else 'tries'} of at most {each:g} s; the shortest "
-            f"lease in use is {bounds.shortest_lease:g} s): a transaction kept the table open; "
-            "the revisions before it are applied, run `lease migrate` again"
+            f"{self.code}: a schema change on celery_lease_runs did not get its lock in "
+            f"{bounds.total:g} s ({tries} {'try' if tries == 1 else 'tries'} {waits}; the "
+            f"shortest lease in use is {bounds.shortest_lease:g} s): a transaction kept the "
+            "table open; revisions before this one, if any, stay applied: run `lease "
+            "migrate` again once that transaction has ended"
         )
         self.bounds = bounds
         self.tries = tries
@@ -217,9 +219,11 @@ def retry_ddl(
     attempt: Callable[[], None],
     timed_out: Callable[[sa_exc.OperationalError], bool],
     bounds: MigrationBounds,
+    each: float | None = None,
 ) -> None:
     """Run ``attempt`` until it does not time out on its lock, ``bounds.pause`` apart, for at
-    most ``bounds.total`` seconds (then :class:`DDLLockTimeout`)."""
+    most ``bounds.total`` seconds (then :class:`DDLLockTimeout`; ``each``: how long one
+    try waits, when not ``bounds.lock_wait``)."""
     deadline = time.monotonic() + bounds.total
     tries = 0
     while True:
@@ -231,7 +235,7 @@ def retry_ddl(
             if not timed_out(exc):
                 raise
             if time.monotonic() + bounds.pause >= deadline:
-                raise DDLLockTimeout(bounds, tries) from exc
+                raise DDLLockTimeout(bounds, tries, each) from exc
         time.sleep(bounds.pause)
 
 

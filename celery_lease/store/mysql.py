@@ -477,11 +477,10 @@ class MySQLDDL(OnlineDDL):
         """Run ``change`` with the metadata-lock wait capped, retrying a timeout."""
         connection = self.op.get_bind()
         previous = connection.exec_driver_sql("SELECT @@SESSION.lock_wait_timeout").scalar_one()
-        connection.exec_driver_sql(
-            f"SET SESSION lock_wait_timeout = {self._wait_seconds(connection)}"
-        )
+        wait = self._wait_seconds(connection)
+        connection.exec_driver_sql(f"SET SESSION lock_wait_timeout = {wait}")
         try:
-            retry_ddl(change, self._timed_out, self.bounds)
+            retry_ddl(change, self._timed_out, self.bounds, wait)
         finally:
             connection.exec_driver_sql(f"SET SESSION lock_wait_timeout = {int(previous)}")
 
