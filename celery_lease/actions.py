@@ -136,7 +136,7 @@ def rerun_run(
         tries += ", from scratch"
     try:
         if publish:
-            headers = rerun_headers(run_id, task_id, None)
+            headers = rerun_headers(run_id, task_id, record.task_name, None)
             task.apply_async(args or [], kwargs or {}, task_id=new_task_id, headers=headers)
         elif after.payload is not None:
             requeue(app, after, rerun_of=task_id)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,32 @@ def test_rerun_with_new_arguments_of_a_run_that_retried_runs_them(cluster: Clust
     rerun = cluster.store.get(run_id)
     assert rerun is not None and rerun.task_id not in (None, run_id)
     assert f"[{rerun.task_id}] received" in worker.log()
+
+
+@pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
+@pytest.mark.timeout(90)
+def test_a_reruns_headers_on_another_tasks_message_do_not_hand_it_the_run(
+    cluster: Cluster,
+) -> None:
+    """A body that passes its own headers on to another task's message (a rerun's carry the
+    run id): that task runs its own run and returns its own result. It took over the rerun's
+    run: dropped as "already succeeded", its caller got the other task's result."""
+    cluster.start("w1", conf=FAST)
+    other = cluster.send("workerapp.step", 1)
+    wait_for(lambda: cluster.status(other) == "succeeded", 30, what="the other task's run")
+    headers = {
+        "celery_lease_run_id": other,
+        "celery_lease_rerun_of": other,
+        "celery_lease_rerun_task": "workerapp.step",
+    }
+    mine = uuid.uuid4().hex
+    cluster.producer.send_task(
+        "workerapp.work", args=(0.0,), task_id=mine, queue=cluster.queue, headers=headers
+    )
+    wait_for(lambda: cluster.status(mine) == "succeeded", 30, what="its own run")
+    assert [e.kind for e in cluster.effects(mine)] == ["start", "commit"]
+    row = cluster.store.get(other)
+    assert row is not None and row.task_name == "workerapp.step" and row.task_id == other
 
 
 @pytest.mark.parametrize("cluster", [SETUPS[2]], ids=[SETUP_IDS[2]], indirect=True)
