@@ -591,6 +591,35 @@ def test_bulk_rerun_refuses_bad_input_with_one_line(cli: Cli, store: LeaseStore)
         assert "Traceback" not in proc.stderr
 
 
+def test_numbers_no_database_holds_are_usage_errors(cli: Cli, store: LeaseStore) -> None:
+    """A duration past 100 years, a --limit past a million, --attempts past the setting's
+    maximum: exit 2 naming the option (a traceback, or a database error with exit 1)."""
+    huge = "99999999999999999999"
+    for args, needle in [
+        (("purge", "--older-than", f"{huge}d"), "at most 100 years"),
+        (("rerun", "--task", "t", "--status", "failed", "--since", f"{huge}d"), "100 years"),
+        (("runs", "--limit", huge), "--limit"),
+        (("sweep", "--limit", huge), "--limit"),
+        (("top", "--once", "--limit", huge), "--limit"),
+        (("rerun", "r1", "--attempts", huge), "--attempts"),
+    ]:
+        proc = cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert needle in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_run_ids_with_control_characters_cannot_forge_table_rows(
+    cli: Cli, store: LeaseStore
+) -> None:
+    """`lease runs` prints a newline (or another control character) in a run id escaped:
+    it printed it as is, and a crafted id could add rows of its own to the table."""
+    claim(store, "evil\nfake-row  x.y  failed")
+    out = cli.ok("runs", "--wide")
+    assert "evil\\nfake-row" in out, out
+    assert not any(line.startswith("fake-row") for line in out.splitlines()), out
+
+
 def test_rerun_says_the_attempts_the_run_will_get(cli: Cli, store: LeaseStore) -> None:
     """A run failed at attempt 1 of 5 (a permanent error), rerun with --attempts 2: the
     next claims allow attempts up to the task's lease_max_attempts (5), never fewer, and

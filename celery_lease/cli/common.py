@@ -271,8 +271,17 @@ def wide_option(fun: F) -> F:
     )(fun)
 
 
+def shown(cell: str) -> str:
+    """``cell`` with each character a terminal would act on (a newline, a NUL, an escape)
+    written as its Python escape: a crafted run id or task name cannot forge table rows."""
+    if cell.isprintable():
+        return cell
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in cell)
+
+
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain, left-aligned text table."""
+    """A plain, left-aligned text table (cells as :func:`shown`)."""
+    rows = [[shown(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
@@ -289,6 +298,10 @@ def _echo_json(data: Any) -> None:
 
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+#: The longest duration option (100 years): a longer one overflowed the clock arithmetic.
+MAX_DURATION_SECONDS = 100 * 365 * 86_400
+#: The largest ``--limit``: a larger one overflowed the database's integer.
+MAX_LIMIT = 1_000_000
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -304,6 +317,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         )
     if not seconds > 0:
         raise click.BadParameter(f"{value!r}: the duration must be more than zero")
+    if seconds > MAX_DURATION_SECONDS:
+        raise click.BadParameter(f"{value!r}: the duration must be at most 100 years")
     return seconds
 
 

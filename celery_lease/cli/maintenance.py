@@ -21,6 +21,7 @@ from ..schema import (
 from ..store import PURGE_BATCH, LeaseStore, RunRecord
 from ..store.databases import database_for
 from .common import (
+    MAX_LIMIT,
     _database_url,
     _database_urls,
     _duration,
@@ -42,7 +43,7 @@ _SWEEP_LABELS = {
 
 
 @lease.command()
-@click.option("--limit", type=click.IntRange(min=1), default=500, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_LIMIT), default=500, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 @_operator_errors
@@ -121,7 +122,7 @@ def _print_sweep(report: dict[str, Any], header: bool) -> None:
 @click.option("--revision", default="head", show_default=True, help="Target revision.")
 @click.option(
     "--lock-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=0, max=86_400, min_open=True),
     default=300.0,
     show_default=True,
     help="Seconds to wait for another migrate run on the same database to finish.",

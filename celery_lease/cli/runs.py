@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from ..actions import BULK_BATCH, BULK_STATUSES, cancel_run, rerun_run, rerun_runs
+from ..config import MAX_ATTEMPTS
 from ..display import format_duration, format_relative, run_progress_text
 from ..schema import (
     RUNNING,
@@ -17,6 +18,7 @@ from ..schema import (
 )
 from ..store import RunNotFound, RunRecord
 from .common import (
+    MAX_LIMIT,
     RECORD_FIELDS,
     TIME_FIELDS,
     WIDE_HINT,
@@ -38,7 +40,7 @@ from .common import (
 @lease.command()
 @click.option("--status", type=click.Choice(STATUSES), default=None, help="Only this status.")
 @click.option("--task", "task_name", default=None, metavar="NAME", help="Only this task name.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_LIMIT), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (times in epoch ms).")
 @wide_option
 @click.pass_context
@@ -234,7 +236,7 @@ def _json_option(value: str | None, kind: type, name: str) -> Any:
 )
 @click.option(
     "--attempts",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_ATTEMPTS),
     default=None,
     help="Fresh attempts to give it (default: the task's lease_max_attempts).",
 )

@@ -118,14 +118,14 @@ def _time_left(ms: int) -> str:
 @lease.command()
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1),
+    type=click.FloatRange(min=0.1, max=3600),
     default=2.0,
     show_default=True,
     help="Seconds between refreshes.",
 )
 @click.option(
     "--limit",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=common.MAX_LIMIT),
     default=30,
     show_default=True,
     help="Live leases shown (soonest expiry first).",
