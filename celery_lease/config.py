@@ -445,13 +445,7 @@ def _name(conf: Mapping[str, Any], key: str) -> str | None:
     value = conf.get(key)
     if value is None:
         return None
-    if (
-        not isinstance(value, str)
-        or not value
-        or len(value) > 100
-        or "\x00" in value
-        or not value.isprintable()
-    ):
+    if not isinstance(value, str) or not value or len(value) > 100 or not value.isprintable():
         raise ImproperlyConfigured(
             f"{key} must be a non-empty string of <= 100 printable chars, got {value!r}"
         )
