@@ -318,7 +318,7 @@ def test_top_once_shows_a_workers_live_lease(cluster: Cluster) -> None:
     # and how long ago the run was first claimed (not how long this attempt has run).
     assert "retried 0" in out and "retries/min" not in out
     header = next(line for line in out.splitlines() if line.startswith("ID "))
-    assert "FIRST CLAIM" in header and "RUNNING" not in header, header
+    assert "STARTED" in header and "RUNNING" not in header, header
     line = next(line for line in out.splitlines() if line.startswith(run_id))
     assert " ago" in line.split("1/2", 1)[1], line
     cells = line.split()

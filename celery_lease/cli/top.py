@@ -97,7 +97,7 @@ def render_top(store: LeaseStore, shown_url: str, limit: int, wide: bool = False
             "LEFT",
             "HEARTBEAT",
             "CANCEL",
-            "FIRST CLAIM",
+            "STARTED",
             "DONE",
         )
         lines.append(common.render_table(headers, rows))
