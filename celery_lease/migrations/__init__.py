@@ -29,7 +29,7 @@ from sqlalchemy import Connection, Engine, create_engine, inspect
 
 from ..errors import LeaseError
 from ..schema import TABLE_NAME, metadata
-from ..store.bounds import DEFAULT_LEASE_SECONDS, MigrationBounds, shortest_running_lease
+from ..store.bounds import DEFAULT_LEASE_SECONDS, MigrationBounds, shortest_lease_in_use
 from ..store.database import DDLLockTimeout, MigrationLockTimeout
 from ..store.databases import database_for
 from .online import BOUNDS_OPTION
@@ -130,15 +130,16 @@ def migration_bounds(
 
     From the shortest lease in use: ``shortest_lease`` (what the caller knows,
     e.g. the app's and its tasks' ``lease_seconds``) or the shortest among the
-    runs running now, whichever release's workers hold them, if shorter; the
+    runs running now or ended within the hour, whichever release's workers took
+    them, if shorter; the
     default 30 s lease when neither is known. A transaction the read began is
     ended (a caller's own is left open).
     """
     began = not connection.in_transaction()
-    running = shortest_running_lease(connection)
+    in_use = shortest_lease_in_use(connection)
     if began and connection.in_transaction():
         connection.rollback()
-    known = [value for value in (shortest_lease, running) if value is not None]
+    known = [value for value in (shortest_lease, in_use) if value is not None]
     return MigrationBounds.for_lease(min(known) if known else DEFAULT_LEASE_SECONDS)
 
 

@@ -19,8 +19,8 @@ config = context.config
 
 
 def _configure(connection: Connection) -> None:
-    # Given by `lease migrate`, else read from the runs running now (before this run's
-    # own transactions begin).
+    # Given by `lease migrate`, else read from the runs running or recently ended
+    # (before this run's own transactions begin).
     bounds = config.attributes.get(BOUNDS_OPTION) or migration_bounds(connection)
     context.configure(
         connection=connection,

@@ -87,7 +87,7 @@ class MigrationBounds:
 RECENT_LEASE_MS = 3_600_000
 
 
-def shortest_running_lease(connection: Connection) -> float | None:
+def shortest_lease_in_use(connection: Connection) -> float | None:
     """The shortest lease (seconds) among runs running now or ended within
     :data:`RECENT_LEASE_MS`, whichever release's workers took them; None without any (or
     without a runs table that has the columns).
