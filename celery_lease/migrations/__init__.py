@@ -109,7 +109,7 @@ def alembic_config(
     Pass an open ``connection`` (used as is, inside the caller's transaction)
     or a ``url`` (``env.py`` then opens its own engine). ``bounds`` limit how
     long a schema change may hold lease writes back; without them ``env.py``
-    reads the shortest running lease (:func:`migration_bounds`).
+    reads the shortest lease in use (:func:`migration_bounds`).
     """
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
