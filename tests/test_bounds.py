@@ -173,3 +173,27 @@ def test_pooler_detected_at_connect(request: pytest.FixtureRequest, db: str, poo
                 assert conn.execute(text("SHOW lock_timeout")).scalar() == "1333ms"
     finally:
         store.dispose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("db", ["pg_url", "mysql_url"])
+def test_a_wait_for_a_pooled_connection_is_bounded_by_the_lease(
+    db: str, request: pytest.FixtureRequest
+) -> None:
+    """Every pooled connection taken (the threads and gevent pools share a process's): the
+    next transaction waits at most the connect bound (2 s for an 8 s lease), then fails as
+    the transient ``pool_timeout``. It waited SQLAlchemy's 30 s, past such a lease."""
+    url = str(request.getfixturevalue(db))
+    store = LeaseStore.from_url(url, lease_seconds=8.0, pool_size=1, max_overflow=0)
+    store.create_schema()
+    try:
+        with store.transaction() as held:
+            held.execute(text("SELECT 1"))
+            started = time.monotonic()
+            with pytest.raises(LeaseDatabaseError) as waited, store.transaction() as conn:
+                conn.execute(text("SELECT 1"))
+            took = time.monotonic() - started
+        assert waited.value.cause == "pool_timeout" and waited.value.transient
+        assert 1.5 < took < 5.0, took
+    finally:
+        store.dispose()

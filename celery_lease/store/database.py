@@ -543,7 +543,10 @@ def server_engines(
     database: Database, url: str, bounds: WaitBounds, **kwargs: Any
 ) -> tuple[Engine, Engine]:
     """A server's two engines: one for transactions, one whose connections stay in
-    autocommit mode for single statements (no reset per check-out)."""
+    autocommit mode for single statements (no reset per check-out). A check-out waits for
+    a pooled connection at most the connect bound (SQLAlchemy's own default is 30 s,
+    twice a 15 s lease), then fails as ``pool_timeout``, a transient error."""
+    kwargs.setdefault("pool_timeout", bounds.connect)
     engine = database.create_engine(url, bounds, **kwargs)
     # Autocommit connections never hold a transaction: no reset on check-in.
     auto_kwargs = {"pool_reset_on_return": None, **kwargs}
