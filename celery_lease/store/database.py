@@ -546,7 +546,8 @@ def server_engines(
     autocommit mode for single statements (no reset per check-out). A check-out waits for
     a pooled connection at most the connect bound (SQLAlchemy's own default is 30 s,
     twice a 15 s lease), then fails as ``pool_timeout``, a transient error."""
-    kwargs.setdefault("pool_timeout", bounds.connect)
+    if "poolclass" not in kwargs:  # a pool of the caller's may take no timeout (NullPool)
+        kwargs.setdefault("pool_timeout", bounds.connect)
     engine = database.create_engine(url, bounds, **kwargs)
     # Autocommit connections never hold a transaction: no reset on check-in.
     auto_kwargs = {"pool_reset_on_return": None, **kwargs}
