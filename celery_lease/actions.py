@@ -135,8 +135,8 @@ def rerun_run(
     elif from_scratch:
         tries += ", from scratch"
     try:
-        if publish:
-            headers = rerun_headers(run_id, task_id, record.task_name, None)
+        if publish and new_task_id is not None:
+            headers = rerun_headers(run_id, task_id, new_task_id, None)
             task.apply_async(args or [], kwargs or {}, task_id=new_task_id, headers=headers)
         elif after.payload is not None:
             requeue(app, after, rerun_of=task_id)

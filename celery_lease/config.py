@@ -387,7 +387,8 @@ def _positive(
     if maximum is not None and value > maximum:
         raise ImproperlyConfigured(f"{key} must be at most {maximum:g} seconds, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ImproperlyConfigured(f"{key} must be at least {minimum:g} seconds, got {value!r}")
+        unit = "second" if minimum == 1 else "seconds"
+        raise ImproperlyConfigured(f"{key} must be at least {minimum:g} {unit}, got {value!r}")
     return value
 
 

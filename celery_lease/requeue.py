@@ -79,23 +79,23 @@ def decode_message(app: Celery, payload: bytes, content_type: str) -> dict[str, 
 RUN_ID_HEADER = "celery_lease_run_id"
 #: Message header naming the task id a rerun's new task id follows.
 RERUN_OF_HEADER = "celery_lease_rerun_of"
-#: Message header naming the task a rerun's :data:`RUN_ID_HEADER` is for.
-RERUN_TASK_HEADER = "celery_lease_rerun_task"
+#: Message header naming the task id a rerun's :data:`RUN_ID_HEADER` is for: the one
+#: the rerun was published under.
+RERUN_TASK_ID_HEADER = "celery_lease_rerun_task_id"
 
 
-def header_run_id(request: Any, task_name: str) -> str | None:
-    """The run id a delivery of ``task_name`` has from its :data:`RUN_ID_HEADER` (a
-    rerun), else None.
+def header_run_id(request: Any) -> str | None:
+    """The run id a delivery has from its :data:`RUN_ID_HEADER` (a rerun), else None.
 
-    Only for the task the rerun was published for (:data:`RERUN_TASK_HEADER`): a body
-    that hands its own headers on to another task's message (or a forged header) must
-    not make that task take over the rerun's run. A rerun published before that header
-    existed has none and keeps its run id."""
+    Only for the message the rerun published (:data:`RERUN_TASK_ID_HEADER` names its
+    task id): a body that hands its own headers on to another message (a page of a
+    paginating task, another task) must not make that message take over the rerun's
+    run. A rerun published before that header existed has none and keeps its run id."""
     value = header_value(request, RUN_ID_HEADER)
     if not value:
         return None
-    meant_for = header_value(request, RERUN_TASK_HEADER)
-    if meant_for is not None and meant_for != task_name:
+    meant_for = header_value(request, RERUN_TASK_ID_HEADER)
+    if meant_for is not None and meant_for != request.id:
         return None
     return str(value)
 
@@ -138,14 +138,15 @@ def copy_headers(headers: Any, kind: str) -> dict[str, Any]:
 
 
 def rerun_headers(
-    run_id: str, previous_task_id: str | None, task_name: str, headers: Any
+    run_id: str, previous_task_id: str | None, task_id: str, headers: Any
 ) -> dict[str, Any]:
-    """``headers`` with the run id, the previous task id and the task of a rerun added."""
+    """``headers`` with the run id, the previous task id and the task id of a rerun
+    published under ``task_id`` added."""
     return {
         **dict(headers or {}),
         RUN_ID_HEADER: run_id,
         RERUN_OF_HEADER: previous_task_id or run_id,
-        RERUN_TASK_HEADER: task_name,
+        RERUN_TASK_ID_HEADER: task_id,
     }
 
 
@@ -171,11 +172,11 @@ def requeue(app: Celery, record: RunRecord, *, rerun_of: str | None = None) -> N
     kwargs = dict(body.get("kwargs") or {})
     # The run's own delivery claimed it: whatever this sends again is a copy of it.
     options["headers"] = copy_headers(options.get("headers"), COPY)
+    options.setdefault("task_id", record.task_id or record.id)
     if rerun_of:
         options["headers"] = rerun_headers(
-            record.id, rerun_of, record.task_name, options.get("headers")
+            record.id, rerun_of, options["task_id"], options.get("headers")
         )
-    options.setdefault("task_id", record.task_id or record.id)
     task = app.tasks.get(record.task_name)
     if task is not None:
         task.apply_async(args, kwargs, **options)

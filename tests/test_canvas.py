@@ -260,6 +260,23 @@ def test_hostile_task_ids_and_retries_fail_alone_with_the_field_named(cluster: C
 
 
 @pytest.mark.timeout(90)
+def test_a_task_id_naming_another_tasks_finished_run_fails_clearly(cluster: Cluster) -> None:
+    """An unkeyed task applied with a task id that is a keyed task's run id (a caller
+    building ids the same way): it fails naming both tasks. It was dropped as "already
+    succeeded" and its caller got the keyed task's result."""
+    cluster.start("w1", conf=FAST)
+    x = uuid.uuid4().int % 10**9
+    keyed = cluster.send("keyed", x)
+    assert result(cluster, keyed).get(timeout=30) == x * 10
+    clash = f"workerapp.keyed:{x}"
+    cluster.producer.send_task("workerapp.step", args=(1,), task_id=clash, queue=cluster.queue)
+    with pytest.raises(Exception) as failed:
+        result(cluster, clash).get(timeout=30)
+    assert "is a run of task 'workerapp.keyed', not of 'workerapp.step'" in str(failed.value)
+    assert len(cluster.effects(clash, "start")) == 1  # the keyed body's, none of the step's
+
+
+@pytest.mark.timeout(90)
 def test_bad_key_is_a_clear_error_in_the_worker(cluster: Cluster) -> None:
     """A lease_key returning None fails the task with InvalidLeaseKey; no row "None"."""
     cluster.start("w1", conf=FAST)

@@ -593,7 +593,8 @@ def test_bulk_rerun_refuses_bad_input_with_one_line(cli: Cli, store: LeaseStore)
 
 def test_numbers_no_database_holds_are_usage_errors(cli: Cli, store: LeaseStore) -> None:
     """A duration past 100 years, a --limit past a million, --attempts past the setting's
-    maximum: exit 2 naming the option (a traceback, or a database error with exit 1)."""
+    maximum, an interval of nan: exit 2 naming the option (a traceback, a database error
+    with exit 1, or for nan a busy loop of frames)."""
     huge = "99999999999999999999"
     for args, needle in [
         (("purge", "--older-than", f"{huge}d"), "at most 100 years"),
@@ -601,6 +602,7 @@ def test_numbers_no_database_holds_are_usage_errors(cli: Cli, store: LeaseStore)
         (("runs", "--limit", huge), "--limit"),
         (("sweep", "--limit", huge), "--limit"),
         (("top", "--once", "--limit", huge), "--limit"),
+        (("top", "--once", "--interval", "nan"), "is not a number of seconds"),
         (("rerun", "r1", "--attempts", huge), "--attempts"),
     ]:
         proc = cli(*args)

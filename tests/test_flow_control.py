@@ -18,6 +18,7 @@ from sqlalchemy import select
 
 import celery_lease
 from celery_lease import LeaseBusy, LeaseConfig, LeasedTask, LeaseStore
+from celery_lease.errors import LeaseInputError
 from celery_lease.flow import SLOT_HEADER, FlowPump, release, slot_of
 from celery_lease.runtime import store_for
 from celery_lease.schema import HELD_PAUSED, HELD_RATE, rates
@@ -133,6 +134,15 @@ def test_held_deliveries_come_back_in_arrival_order_once_resumed(store: LeaseSto
         payload_content_type="application/json",
     )
     assert not late
+
+
+def test_a_rate_key_no_database_stores_the_same_way_is_refused(store: LeaseStore) -> None:
+    """A NUL or a lone surrogate in a rate key: LeaseInputError naming it on every database
+    (a NUL failed as bad data on PostgreSQL and was kept on SQLite)."""
+    for key in ("a\x00b", "a\ud800b"):
+        with pytest.raises(LeaseInputError) as refused:
+            store.flow.reserve_rate("t.r", key, 100, 1)
+        assert refused.value.field == "rate_key", key
 
 
 def test_rate_reservations_space_slots_by_the_period_with_a_burst(store: LeaseStore) -> None:

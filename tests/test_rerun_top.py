@@ -185,26 +185,28 @@ def test_rerun_with_new_arguments_of_a_run_that_retried_runs_them(cluster: Clust
 
 @pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
 @pytest.mark.timeout(90)
-def test_a_reruns_headers_on_another_tasks_message_do_not_hand_it_the_run(
-    cluster: Cluster,
-) -> None:
-    """A body that passes its own headers on to another task's message (a rerun's carry the
-    run id): that task runs its own run and returns its own result. It took over the rerun's
-    run: dropped as "already succeeded", its caller got the other task's result."""
+def test_a_reruns_headers_on_another_message_do_not_hand_it_the_run(cluster: Cluster) -> None:
+    """A body that passes its own headers on (a rerun's carry its run id) to another task's
+    message, or to the next message of its own task (a paginating task): each runs its
+    own run and returns its own result. They took over the rerun's run: dropped as
+    "already succeeded", their callers got its result."""
     cluster.start("w1", conf=FAST)
     other = cluster.send("workerapp.step", 1)
-    wait_for(lambda: cluster.status(other) == "succeeded", 30, what="the other task's run")
-    headers = {
+    wait_for(lambda: cluster.status(other) == "succeeded", 30, what="the rerun's run")
+    headers = {  # as a rerun published under the task id `rerun-<other>` carries them
         "celery_lease_run_id": other,
         "celery_lease_rerun_of": other,
-        "celery_lease_rerun_task": "workerapp.step",
+        "celery_lease_rerun_task_id": f"rerun-{other}",
     }
-    mine = uuid.uuid4().hex
-    cluster.producer.send_task(
-        "workerapp.work", args=(0.0,), task_id=mine, queue=cluster.queue, headers=headers
-    )
-    wait_for(lambda: cluster.status(mine) == "succeeded", 30, what="its own run")
-    assert [e.kind for e in cluster.effects(mine)] == ["start", "commit"]
+    mine = {name: uuid.uuid4().hex for name in ("workerapp.work", "workerapp.step")}
+    for name, task_id in mine.items():
+        args = (0.0,) if name == "workerapp.work" else (10,)
+        cluster.producer.send_task(
+            name, args=args, task_id=task_id, queue=cluster.queue, headers=headers
+        )
+    for task_id in mine.values():
+        wait_for(lambda t=task_id: cluster.status(t) == "succeeded", 30, what="its own run")
+        assert [e.kind for e in cluster.effects(task_id)] == ["start", "commit"]
     row = cluster.store.get(other)
     assert row is not None and row.task_name == "workerapp.step" and row.task_id == other
 

@@ -212,7 +212,7 @@ def test_a_lease_under_a_second_refuses_to_start_worker(sqlite_url: str) -> None
     """lease_seconds = 0.001 was accepted; the store then bounds every database wait of the
     worker's processes by a third of it (0.33 ms), and other tasks' runs lost their leases."""
     line = _start_refused({"CL_LEASE_DB": sqlite_url, "CL_BAD_SETTING": "lease_seconds=0.001"})
-    assert "lease_seconds must be at least 1 seconds, got 0.001" in line
+    assert "lease_seconds must be at least 1 second, got 0.001" in line
 
 
 @pytest.mark.timeout(60)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -302,6 +303,26 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 MAX_DURATION_SECONDS = 100 * 365 * 86_400
 #: The largest ``--limit``: a larger one overflowed the database's integer.
 MAX_LIMIT = 1_000_000
+
+
+class _Seconds(click.FloatRange):
+    """A number of seconds from 0.1 to an hour; ``nan`` (which every comparison lets
+    through) is refused too."""
+
+    name = "seconds"
+
+    def __init__(self) -> None:
+        super().__init__(min=0.1, max=3600)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
+
+
+#: ``lease top --interval``.
+SECONDS_BETWEEN = _Seconds()
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:

@@ -135,7 +135,8 @@ def migrate(ctx: click.Context, revision: str, lock_timeout: float) -> None:
     Runs at once on one database are safe: each takes the database's migration
     lock, so one migrates and the others wait, then find the schema current.
     No schema change holds lease writes back longer than a tenth of the shortest
-    lease in use (the app's and its tasks' lease_seconds, or a running run's).
+    lease in use (the app's and its tasks' lease_seconds, or that of a run running
+    or ended within the hour).
     """
     from ..migrations import upgrade
 

@@ -118,7 +118,7 @@ def _time_left(ms: int) -> str:
 @lease.command()
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1, max=3600),
+    type=common.SECONDS_BETWEEN,
     default=2.0,
     show_default=True,
     help="Seconds between refreshes.",

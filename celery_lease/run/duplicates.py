@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore
 
-from ..errors import LeaseDatabaseError, RunFailed
+from ..errors import LeaseDatabaseError, LeaseInputError, RunFailed
 from ..events import Event
 from ..requeue import callers_publish
 from ..runtime import result_format
@@ -48,6 +48,7 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     ``REVOKED``, and its continuation proceeds with it.
     """
     own_id = delivery.request.id
+    _check_same_task(delivery, claim)
     # A NULL task id (a direct call, a row from before migration 0002) is nobody's.
     same = claim.task_id is not None and own_id == claim.task_id
     # The run's own task id published again by a caller (a frozen signature or canvas
@@ -89,6 +90,21 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
     if same and _celery_state(delivery, own_id) == states.FAILURE:
         raise Ignore()
     raise _failure_of(delivery, claim)
+
+
+def _check_same_task(delivery: Delivery, claim: ClaimResult) -> None:
+    """:class:`LeaseInputError` when the finished run is another task's: this delivery's
+    task id is that run's id (a caller chose it so), which would drop it and hand its
+    caller the other task's outcome. Tasks sharing a ``lease_namespace`` share runs."""
+    other = claim.task_name
+    if other is None or other == delivery.task_name or delivery.config.namespace is not None:
+        return
+    raise LeaseInputError(
+        "task_id",
+        f"run {claim.run_id} is a run of task {other!r}, not of {delivery.task_name!r}: "
+        "this delivery's id names another task's run (give each task ids of its own, or "
+        "both tasks one lease_namespace to share runs)",
+    )
 
 
 def on_stale(delivery: Delivery, claim: ClaimResult) -> NoReturn:

@@ -102,7 +102,7 @@ def run_id_of(
             config.namespace or task_name, key_value(task_name, config.key, args, kwargs)
         )
     else:
-        rerun = header_run_id(request, task_name)  # `lease rerun`: a new id, the same run
+        rerun = header_run_id(request)  # `lease rerun`: a new task id, the same run
         if rerun is not None:
             return rerun
         task_id = request.id

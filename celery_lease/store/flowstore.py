@@ -151,6 +151,8 @@ class FlowStore:
         RETURNING`` (a short transaction on MySQL): every caller's slot is its own, so
         across all workers no more than ``burst`` start within one period.
         """
+        if key:  # the same refusal of a NUL or a lone surrogate on every database
+            schema.check_run_id(key, "rate_key")
         params = {"p_task": task_name, "p_key": key, "p_period": period_ms}
         tat, now = self.db.database.reserve_rate(self.db.engine, self.db.auto, params)
         due = tat - period_ms * burst

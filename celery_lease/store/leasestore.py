@@ -464,6 +464,7 @@ class LeaseStore:
                         runs.c.task_id,
                         runs.c.max_attempts,
                         runs.c.payload_retries,
+                        runs.c.task_name,
                     ).where(runs.c.id == run_id)
                 ).first()
             if row is None:
@@ -474,7 +475,9 @@ class LeaseStore:
             status, attempt, cancel_requested, lease_left, available_left, task_id = row[:6]
             max_attempts = max(max_attempts, int(row[6]))
             if status in schema.TERMINAL_STATUSES:
-                return ClaimResult("finished", run_id, owner, attempt, status, task_id=task_id)
+                return ClaimResult(
+                    "finished", run_id, owner, attempt, status, task_id=task_id, task_name=row[8]
+                )
             # An older copy of the run's own message (same task id, fewer retries).
             stale = task_id is not None and task_id == values["task_id"]
             if stale and int(row[7]) > values["payload_retries"]:
@@ -489,7 +492,13 @@ class LeaseStore:
                     run_id, status, attempt, schema.CANCELLED, "cancelled", None
                 ):
                     return ClaimResult(
-                        "finished", run_id, owner, attempt, schema.CANCELLED, task_id=task_id
+                        "finished",
+                        run_id,
+                        owner,
+                        attempt,
+                        schema.CANCELLED,
+                        task_id=task_id,
+                        task_name=row[8],
                     )
                 continue
             if claimable and attempt >= max_attempts:
@@ -500,7 +509,13 @@ class LeaseStore:
                     error = f"attempts exhausted: {attempt} of {max_attempts} used"
                 if self._end_unclaimable(run_id, status, attempt, schema.FAILED, code, error):
                     return ClaimResult(
-                        "finished", run_id, owner, attempt, schema.FAILED, task_id=task_id
+                        "finished",
+                        run_id,
+                        owner,
+                        attempt,
+                        schema.FAILED,
+                        task_id=task_id,
+                        task_name=row[8],
                     )
                 continue
             if claimable:

@@ -65,6 +65,8 @@ class ClaimResult:
     reason: str = ""
     #: For ``finished``: the task id of the delivery that ran the run (None if unknown).
     task_id: str | None = None
+    #: For ``finished``: the name of the task whose run it is (None if unknown).
+    task_name: str | None = None
     #: For ``claimed``: the attempt at which the run is out of attempts (the row's
     #: ``max_attempts``: the claimer's setting, or more after ``celery lease rerun``).
     max_attempts: int = 0
