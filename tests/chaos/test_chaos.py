@@ -192,15 +192,16 @@ def test_sigstop_stale_worker_commits_nothing(
     cluster.start_beat(SWEEP)
     run_ids: list[str] = []
     paused: dict[str, int] = {}  # run -> the attempt the paused victim held
+    frozen: list[str] = []  # runs a transaction of the paused victim held locked
     with _stacks_and_locks_on_timeout(cluster, [victim, rescuer]):
-        _sigstop_rounds(cluster, victim, rescuer, batch, wanted, run_ids, paused)
+        _sigstop_rounds(cluster, victim, rescuer, batch, wanted, run_ids, paused, frozen)
     time.sleep(1.0)  # the last resumed bodies try (and fail) to commit
     history = check(cluster, run_ids)
     stale = [e for r, a in paused.items() for e in cluster.effects(r, "commit") if e.attempt <= a]
     assert stale == []
     assert len(paused) >= wanted
     assert "automation_run_lease_lost" in victim.log()
-    report(capsys, f"sigstop x{len(paused)}", history)
+    report(capsys, f"sigstop x{len(paused)} frozen_locked={len(frozen)}", history)
 
 
 def _sigstop_rounds(
@@ -211,8 +212,10 @@ def _sigstop_rounds(
     wanted: int,
     run_ids: list[str],
     paused: dict[str, int],
+    frozen: list[str],
 ) -> None:
-    """The SIGSTOP scenario's rounds, until ``wanted`` runs were paused and taken over."""
+    """The SIGSTOP scenario's rounds, until ``wanted`` runs were paused and taken over;
+    ``frozen`` gets the runs left out because the paused victim held their row locked."""
     for round_no in range(2 * wanted // batch):
         if len(paused) >= wanted:
             break
@@ -233,6 +236,14 @@ def _sigstop_rounds(
             # nothing takes it over) or while it is inside it (the open fenced transaction
             # holds the run until the victim resumes, as documented).
             held = _mid_body(cluster, batch_ids, time.time() - BODY_SECONDS + FENCE_MARGIN)
+            # Nor a run whose row a transaction of the paused victim holds locked: a claim
+            # of a redelivered copy, paused between its locking read and its commit, holds
+            # the run until the victim resumes, as an open fenced transaction does. Only
+            # paused processes hold locks now, so the rows a SKIP LOCKED read cannot take
+            # are exactly those.
+            locked = _locked_rows(cluster, list(held))
+            frozen += locked
+            held = {r: a for r, a in held.items() if r not in locked}
         finally:
             rescuer.resume()
         try:
@@ -244,7 +255,10 @@ def _sigstop_rounds(
                 what=f"round {round_no}: every held run taken over while the victim is paused",
             )
         except AssertionError as exc:  # what the paused victim's transactions hold
-            raise AssertionError(f"{exc}\n{_open_transactions(cluster)}") from exc
+            waiting = [r for r, a in held.items() if _started(cluster, [r]).get(r, 0) <= a]
+            raise AssertionError(
+                f"{exc}\nnot taken over: {_rows(cluster, waiting)}\n{_open_transactions(cluster)}"
+            ) from exc
         finally:
             victim.resume()
         paused.update(held)
@@ -263,6 +277,37 @@ def _mid_body(cluster: Cluster, run_ids: list[str], since: float) -> dict[str, i
         if starts and starts[-1].at >= since and cluster.status(run_id) == "running":
             held[run_id] = starts[-1].attempt
     return held
+
+
+def _locked_rows(cluster: Cluster, run_ids: list[str]) -> set[str]:
+    """The runs among ``run_ids`` whose row another transaction holds locked now (read
+    ``FOR UPDATE SKIP LOCKED``, then rolled back)."""
+    if not run_ids:
+        return set()
+    with cluster.engine.connect() as conn, conn.begin() as tx:
+        free = conn.execute(
+            select(runs.c.id).where(runs.c.id.in_(run_ids)).with_for_update(skip_locked=True)
+        ).scalars()
+        locked = set(run_ids) - set(free)
+        tx.rollback()
+    return locked
+
+
+def _rows(cluster: Cluster, run_ids: list[str]) -> list[tuple[Any, ...]]:
+    """Each run's status, attempt, owner, expiry left (ms) and re-sends, for a failure."""
+    now = round(time.time() * 1000)
+    with cluster.engine.connect() as conn:
+        found = conn.execute(
+            select(
+                runs.c.id,
+                runs.c.status,
+                runs.c.attempt,
+                runs.c.lease_owner,
+                runs.c.lease_expires_at,
+                runs.c.requeues,
+            ).where(runs.c.id.in_(run_ids))
+        ).all()
+    return [(*row[:4], None if row[4] is None else row[4] - now, row[5]) for row in found]
 
 
 def _started(cluster: Cluster, run_ids: list[str]) -> dict[str, int]:
