@@ -60,6 +60,8 @@ class Event(str, enum.Enum):
     # -- everything else, emitted by name
     #: A delivery found its run held (another live lease, a full concurrency key, a backoff).
     BUSY = "busy"
+    #: The next step of a leased chain could not get its run row before its publish.
+    CHAIN_STEP_NOT_KEPT = "chain_step_not_kept"
     #: A checkpoint was saved.
     CHECKPOINT = "checkpoint"
     #: A claim kept losing to concurrent claims of the same run.

@@ -308,27 +308,20 @@ def _record_leased_run(
     early), and so is a plain Celery task: nothing records those once sent. When the row
     cannot be written, the outbox row stays taken and the sweeper publishes it again.
     """
-    task = app.tasks.get(row.task_name)
-    lease_config = getattr(task, "lease_config", None)
-    if lease_config is None:
-        return True
     options = dict(body.get("options") or {})
     if options.get("countdown") or options.get("eta"):
         return True
     try:
         args, kwargs = tuple(body.get("args") or ()), dict(body.get("kwargs") or {})
-        config = lease_config()
         request = types.SimpleNamespace(id=row.task_id, headers=None, replaced_task_nesting=0)
-        runtime_for(app, config).store.keep_delivery(
-            run_id_of(row.task_name, config, request, args, kwargs),
-            task_name=row.task_name,
-            task_id=row.task_id,
-            payload=row.payload,
-            payload_content_type=row.payload_content_type,
-            retries=int(options.get("retries") or 0),
-            lease_ms=config.lease_ms,
-            max_attempts=config.max_attempts,
-            concurrency_key=concurrency_key(row.task_name, config, args, kwargs),
+        keep_leased_run(
+            app,
+            row.task_name,
+            request,
+            args,
+            kwargs,
+            (row.payload, row.payload_content_type),
+            int(options.get("retries") or 0),
         )
     except Exception as exc:
         events.emit(
@@ -343,6 +336,39 @@ def _record_leased_run(
             task_id=row.task_id,
         )
         return False
+    return True
+
+
+def keep_leased_run(
+    app: Celery,
+    task_name: str,
+    request: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    message: tuple[bytes, str],
+    retries: int,
+) -> bool:
+    """Give a delivery of ``task_name`` sent (or about to be sent) under ``request.id`` its
+    ``queued`` run row (attempt 0, carrying ``message``: its bytes and content type) in the
+    task's lease database, unless its run has a row already; False when the task is no
+    ``LeasedTask`` (nothing to keep). Database errors propagate.
+    """
+    task = app.tasks.get(task_name)
+    lease_config = getattr(task, "lease_config", None)
+    if lease_config is None:
+        return False
+    config = lease_config()
+    runtime_for(app, config).store.keep_delivery(
+        run_id_of(task_name, config, request, args, kwargs),
+        task_name=task_name,
+        task_id=request.id,
+        payload=message[0],
+        payload_content_type=message[1],
+        retries=retries,
+        lease_ms=config.lease_ms,
+        max_attempts=config.max_attempts,
+        concurrency_key=concurrency_key(task_name, config, args, kwargs),
+    )
     return True
 
 

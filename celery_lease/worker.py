@@ -22,6 +22,7 @@ from celery.exceptions import ImproperlyConfigured
 from sqlalchemy.engine import make_url
 
 from .app import check_extras
+from .chainsteps import keep_next_step
 from .config import (
     LeaseConfig,
     celery_command,
@@ -330,8 +331,21 @@ def _connect_receivers(app: Celery) -> None:
         if found is not None:
             _on_worker_process_shutdown(found)
 
+    def before_publish(
+        body: Any = None,
+        exchange: Any = None,
+        routing_key: Any = None,
+        headers: Any = None,
+        properties: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        found = ref()
+        if found is not None:
+            keep_next_step(found, body, exchange, routing_key, headers, properties)
+
     signals.worker_process_init.connect(process_init, weak=False)
     signals.worker_shutting_down.connect(shutting_down, weak=False)
+    signals.before_task_publish.connect(before_publish, weak=False)
     signals.worker_process_shutdown.connect(process_shutdown, weak=False)
     signals.task_revoked.connect(
         _on_task_revoked, weak=False, dispatch_uid="celery_lease.task_revoked"

@@ -63,6 +63,38 @@ def test_chain_continues_after_kill9_and_sweep(cluster: Cluster) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_chain_step_lost_by_the_broker_before_its_claim_is_sent_again(
+    cluster: Cluster, tmp_path: Any
+) -> None:
+    """The worker that takes a chain's second step off the broker is killed before the
+    broker records it as unacknowledged (kombu Redis between BRPOP and its save to
+    ``unacked``; the filesystem transport once it read the file): the step's ``queued``
+    run row, written before its publish by the worker that ran step 1, lets the sweeper
+    send it again; the chain runs to its end, each step committing once."""
+    ids = [uuid.uuid4().hex for _ in range(3)]
+    w1 = cluster.start(
+        "w1",
+        conf=FAST,
+        **SHORT,
+        CL_DIE_AT_POP="workerapp.step",
+        CL_DIE_AT_POP_ID=ids[1],
+        CL_DIE_AT_POP_ONCE=str(tmp_path / "died"),
+    )
+    steps = [sig(cluster, "step", 1), sig(cluster, "step"), sig(cluster, "step")]
+    res = chain(*(s.set(task_id=i) for s, i in zip(steps, ids, strict=True))).apply_async()
+    wait_for(lambda: w1.proc.poll() is not None, 30, what="w1 to die taking step 2")
+    assert (tmp_path / "died").exists()
+    assert cluster.status(ids[0]) == "succeeded"
+    kept = cluster.store.get(ids[1])
+    assert kept is not None and (kept.status, kept.attempt) == ("queued", 0)
+    sweeping = {"lease_sweep_interval": 0.5, **FAST}
+    cluster.start("w2", conf=sweeping, **SHORT)
+    cluster.start_beat(sweeping)
+    assert res.get(timeout=60) == 4
+    assert [commits(cluster, i) for i in ids] == [[1], [1], [1]]
+
+
+@pytest.mark.timeout(150)
 def test_chain_continues_through_warm_shutdown(cluster: Cluster) -> None:
     """SIGTERM (warm shutdown) during a chain's step: the chain still completes, once."""
     w1 = cluster.start("w1", conf=FAST, **SHORT)

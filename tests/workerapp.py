@@ -123,7 +123,10 @@ if os.environ.get("CL_DIE_AT_POP"):
     def _dying(original: Any) -> Any:
         def append(self: Any, message: Any, delivery_tag: Any) -> Any:
             headers = getattr(message, "headers", None) or {}
-            if headers.get("task") == os.environ["CL_DIE_AT_POP"]:
+            only = os.environ.get("CL_DIE_AT_POP_ID")  # this task id alone, when set
+            if headers.get("task") == os.environ["CL_DIE_AT_POP"] and (
+                not only or headers.get("id") == only
+            ):
                 try:
                     fd = os.open(os.environ["CL_DIE_AT_POP_ONCE"], os.O_CREAT | os.O_EXCL)
                 except FileExistsError:
