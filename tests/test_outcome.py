@@ -265,6 +265,38 @@ def _messages(folder: Path, task: str | None = None) -> list[Path]:
     return found
 
 
+@PG_REDIS
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("keep", [True, False], ids=["result-kept", "no-result"])
+def test_a_kill_after_fence_complete_replays_the_result_kept_with_it(
+    cluster: Cluster, tmp_path: Path, keep: bool
+) -> None:
+    """A chain step commits its effect and its success with ``fence(complete=True)``, and
+    its whole worker is killed -9 before the body returns (Celery stored nothing, sent no
+    next step); Redis delivers the step again. With ``result=`` the success kept the
+    result: the redelivery replays it, the chain goes on, and the step committed once.
+    Without it the success has no result to replay: the step, and so the chain, fail with
+    ``RunFailed`` (``result_not_kept``) instead of waiting forever."""
+    marks = tmp_path / "killed"
+    marks.mkdir()
+    timing = {**SHORT, "CL_ACKS_LATE": "1", "CL_VISIBILITY_TIMEOUT": "3"}
+    w1 = cluster.start("w1", CL_KILL_AFTER_FENCE=str(marks), **timing)
+    res = chain(sig(cluster, "fenced_step", 1, keep), sig(cluster, "step")).apply_async()
+    first = res.parent.id
+    wait_for(lambda: w1.proc.poll() is not None, 60, what="w1 to die after the fenced commit")
+    assert cluster.status(first) == "succeeded"
+    assert result(cluster, first).state == "PENDING"  # Celery stored nothing
+    cluster.start("w2", CL_KILL_AFTER_FENCE=str(marks), **timing)
+    if keep:
+        assert res.get(timeout=60) == 3
+    else:
+        with pytest.raises(RunFailed) as failed:
+            result(cluster, first).get(timeout=60, propagate=True)
+        assert failed.value.failure_code == "result_not_kept"
+        assert cluster.store.get(res.id) is None  # the next step was never sent
+    assert [e.attempt for e in cluster.effects(first, "commit")] == [1]
+
+
 @pytest.mark.parametrize("cluster", [SETUPS[0]], ids=[SETUP_IDS[0]], indirect=True)
 @pytest.mark.timeout(180)
 def test_chord_member_too_large_to_keep_fails_its_chord_after_a_crash_not_hangs(

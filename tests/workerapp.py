@@ -7,6 +7,7 @@ broker queue and lease timings. Each task records what its body did in the
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -480,15 +481,39 @@ def quiet(self: LeasedTask, x: int) -> int:
 
 @app.task(base=LeasedTask, bind=True, name="workerapp.step")
 def step(self: LeasedTask, x: int, seconds: float = 0.0) -> int:
-    """A canvas step: work (checking the lease), commit one fenced effect, return x + 1."""
+    """A canvas step: work (checking the lease), commit one fenced effect with the run's
+    success and its result (``fence(complete=True, result=...)``), return x + 1."""
     record(self.lease.run_id, self.lease.attempt, "start")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         self.lease.check()
         time.sleep(0.02)
     with effects_engine().begin() as conn:
-        self.lease.fence(conn, complete=True)
+        self.lease.fence(conn, complete=True, result=x + 1)
         record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    return x + 1
+
+
+@app.task(base=LeasedTask, bind=True, name="workerapp.fenced_step")
+def fenced_step(self: LeasedTask, x: int, keep: bool) -> int:
+    """A chain step that commits its effect and success with ``fence(complete=True)``
+    (``result=x + 1`` when ``keep``), then returns x + 1. With ``CL_KILL_AFTER_FENCE`` (a
+    folder), its whole worker is killed -9 right after that commit, before the body
+    returns; once per task id (a marker file)."""
+    record(self.lease.run_id, self.lease.attempt, "start")
+    with effects_engine().begin() as conn:
+        if keep:
+            self.lease.fence(conn, complete=True, result=x + 1)
+        else:
+            self.lease.fence(conn, complete=True)
+        record(self.lease.run_id, self.lease.attempt, "commit", conn)
+    folder, task_id = os.environ.get("CL_KILL_AFTER_FENCE"), self.request.id
+    if folder and task_id:
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(os.path.join(folder, task_id), os.O_CREAT | os.O_EXCL))
+            if os.getpid() != _MAIN_PID:
+                os.kill(_MAIN_PID, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
     return x + 1
 
 

@@ -90,6 +90,11 @@ class LeaseHolder(Protocol):
         """What to wrap the lease's ``operation`` in (the run hooks' ``around``), or None."""
         ...
 
+    def kept_result(self, value: Any) -> tuple[bytes, str] | None:
+        """``value``, the body's return value, as the run's success keeps it for a replay
+        of the outcome (``(bytes, content type)``), or None where it is not kept."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Standalone:
@@ -105,6 +110,10 @@ class Standalone:
         self, operation: str, outcome: str
     ) -> contextlib.AbstractContextManager[None] | None:
         """Nothing."""
+        return None
+
+    def kept_result(self, value: Any) -> tuple[bytes, str] | None:
+        """Nothing: no Celery caller asks for the outcome of a lease taken outside a task."""
         return None
 
 
@@ -131,6 +140,8 @@ _warned_no_interrupt = False
 
 #: ``fence()``'s default: no checkpoint given (``checkpoint=None`` saves JSON null).
 _NO_CHECKPOINT: Any = object()
+#: ``fence()``'s default: no result given (``result=None`` keeps ``None``).
+_NO_RESULT: Any = object()
 
 
 def safety_margin(lease_seconds: float) -> float:
@@ -464,6 +475,7 @@ class Lease:
         complete: bool = False,
         checkpoint: Any = _NO_CHECKPOINT,
         send: Any = None,
+        result: Any = _NO_RESULT,
     ) -> list[str]:
         """Prove, inside ``connection``'s open transaction, that this lease still holds.
 
@@ -480,6 +492,12 @@ class Lease:
         and not kept. ``send``: follow-up tasks (a Celery signature or a list of
         them), recorded in that transaction and published once it commits, exactly
         once (see :meth:`send_on_commit`); their task ids are returned.
+        ``result=value`` (with ``complete=True``): the value the body will return,
+        kept by the same statement. Without it the run is recorded succeeded
+        before its result is known: a worker killed between this commit and the
+        body's return leaves a success Celery never stored and cannot replay (its
+        caller, and the rest of its chain, get ``RunFailed`` with
+        ``result_not_kept``). With it, a redelivery replays ``value``.
 
         Raises:
             LeaseInputError: ``checkpoint`` is not JSON or exceeds 64 KiB, or ``send``
@@ -488,8 +506,15 @@ class Lease:
             LeaseLost: the lease is no longer held, or its local deadline passed
                 (the transaction should roll back).
             LeaseUsageError: ``connection`` is on another database than the
-                lease's, which still holds the lease (the lease stays held).
+                lease's, which still holds the lease (the lease stays held); or
+                ``result`` without ``complete=True``.
         """
+        if result is not _NO_RESULT and not complete:
+            raise LeaseUsageError(
+                f"fence() on run {self.run_id}: result= is kept with the success, so it "
+                "needs complete=True"
+            )
+        kept = None if result is _NO_RESULT else self.holder.kept_result(result)
         text = None if checkpoint is _NO_CHECKPOINT else encode_checkpoint(checkpoint)
         messages = self._followup_messages(send)
         with self.uninterruptible(), self._span("fence", "completing" if complete else "held"):
@@ -507,6 +532,7 @@ class Lease:
                     self.attempt,
                     complete=complete,
                     checkpoint=text,
+                    result=kept,
                 )
             except LeaseLost as exc:
                 self.mark_lost(exc.reason)

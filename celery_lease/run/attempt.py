@@ -41,7 +41,7 @@ from ..runtime import app_runtime, shutting_down
 from ..sanitize import describe_exception
 from ..schema import CANCELLED, FAILED, SUCCEEDED
 from ..store import ClaimResult
-from . import duplicates, outcome, republish
+from . import duplicates, republish
 from .delivery import Delivery, DeliveryHooks
 
 logger = logging.getLogger(__name__)
@@ -379,9 +379,7 @@ class Attempt:
             self._on_cancelled(lease)
         except Exception as exc:
             self._on_failure(lease, exc)
-        self._complete(
-            lease, outcome.kept_result(self.delivery.task, self.delivery.request, result)
-        )
+        self._complete(lease, self.delivery.kept_result(result))
         return result
 
     # -- outcome ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from ..owner import new_owner
 from ..runtime import Runtime, app_runtime, runtime_for, worker_id
 from ..schema import check_retries
 from ..store import LeaseStore
+from .outcome import kept_result
 from .runids import concurrency_key, run_id_of
 
 #: The hooks of one delivery's task.
@@ -151,6 +152,11 @@ class Delivery:
         if len(hooks) == 1:
             return hooks[0].around(self, operation, outcome)
         return _nested([hook.around(self, operation, outcome) for hook in hooks])
+
+    def kept_result(self, value: Any) -> tuple[bytes, str] | None:
+        """``value``, the body's return value, as the run's success keeps it for a replay
+        (:func:`~celery_lease.run.outcome.kept_result`), or None where it is not kept."""
+        return kept_result(self.task, self.request, value)
 
     def stored_message(self) -> dict[str, Any]:
         """The delivery's message as Celery would re-send it, for the sweeper: the claim's

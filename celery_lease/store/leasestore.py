@@ -673,6 +673,7 @@ class LeaseStore:
         *,
         complete: bool = False,
         checkpoint: str | None = None,
+        result: tuple[bytes, str] | None = None,
     ) -> None:
         """Inside the caller's transaction, lock the run row and prove the lease is live.
 
@@ -683,6 +684,8 @@ class LeaseStore:
         transaction: the caller's writes and the completion commit together.
         ``checkpoint`` (JSON text) is saved by the same statement, so it commits
         with the caller's writes; success clears it, as any success does.
+        ``result`` (the body's return value serialized, ``(bytes, content type)``)
+        is kept with a success by the same statement, as :meth:`complete` keeps it.
         """
         other = self._other_database(connection)
         if other is not None:
@@ -693,6 +696,8 @@ class LeaseStore:
             values = checkpoint_values(now, checkpoint)
         if complete:
             values = success_values(now)
+            if result is not None:
+                values.update(result=result[0], result_content_type=result[1])
         stmt = (
             update(runs)
             .where(guarded(run_id, owner, attempt), runs.c.lease_expires_at > now)

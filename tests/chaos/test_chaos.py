@@ -420,7 +420,21 @@ def test_kill9_during_100_chains_of_3_leased_steps(
     ]
     kills = kill_randomly(cluster, workers, rng)
     step_ids = [r.id for res in results for r in (res, res.parent, res.parent.parent)]
-    wait_all_terminal(cluster, step_ids, 300, "all 300 steps")
+    before = {r.id: r.parent.id for res in results for r in (res, res.parent)}
+    try:
+        wait_all_terminal(cluster, step_ids, 300, "all 300 steps")
+    except AssertionError as exc:  # what became of each step with no row's predecessor
+        lines = []
+        for step_id in (s for s in step_ids if s in before and cluster.store.get(s) is None):
+            prev = cluster.store.get(before[step_id])
+            said = [
+                line
+                for log in _logs(cluster)
+                for line in log.splitlines()
+                if before[step_id] in line
+            ]
+            lines.append(f"{step_id} after {before[step_id]}: {prev}\n  " + "\n  ".join(said))
+        raise AssertionError(f"{exc}\n" + "\n".join(lines)) from None
     unresolved = []
     for i, res in enumerate(results):
         try:
