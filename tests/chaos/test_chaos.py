@@ -296,18 +296,11 @@ def _locked_rows(cluster: Cluster, run_ids: list[str]) -> set[str]:
 def _rows(cluster: Cluster, run_ids: list[str]) -> list[tuple[Any, ...]]:
     """Each run's status, attempt, owner, expiry left (ms) and re-sends, for a failure."""
     now = round(time.time() * 1000)
-    with cluster.engine.connect() as conn:
-        found = conn.execute(
-            select(
-                runs.c.id,
-                runs.c.status,
-                runs.c.attempt,
-                runs.c.lease_owner,
-                runs.c.lease_expires_at,
-                runs.c.requeues,
-            ).where(runs.c.id.in_(run_ids))
-        ).all()
-    return [(*row[:4], None if row[4] is None else row[4] - now, row[5]) for row in found]
+    found = [r for r in (cluster.store.get(run_id) for run_id in run_ids) if r is not None]
+    return [
+        (r.id, r.status, r.attempt, r.lease_owner, (r.lease_expires_at or now) - now, r.requeues)
+        for r in found
+    ]
 
 
 def _started(cluster: Cluster, run_ids: list[str]) -> dict[str, int]:
