@@ -50,16 +50,15 @@ def keep_next_step(
     if parent is None or getattr(parent, "lease_config", None) is None:
         return
     request = parent.request
-    chain = request.chain
-    if not chain or not request.id or headers.get("parent_id") != request.id:
-        return
-    step = chain[-1]
-    options = step.get("options") if isinstance(step, dict) else None
     task_id = headers.get("id")
-    if not task_id or not isinstance(options, dict) or options.get("task_id") != task_id:
-        return  # not the chain's next step (a group or chord step, a body's own publish)
-    if not isinstance(body, (list, tuple)) or len(body) != 3:
+    if not task_id or not request.id or headers.get("parent_id") != request.id:
+        return
+    if task_id == request.id:
+        return  # this delivery's own retry or replacement
+    if not isinstance(body, (list, tuple)) or len(body) != 3 or not isinstance(body[2], dict):
         return  # not Celery's message protocol 2
+    if not _next_step(request.chain, body[2].get("chain"), task_id):
+        return  # a group or chord step, or a body's own publish
     try:
         _keep(app, body, exchange, routing_key, headers, properties or {})
     except Exception as exc:
@@ -75,6 +74,20 @@ def keep_next_step(
             level=logging.WARNING,
             task_id=task_id,
         )
+
+
+def _next_step(chain: Any, sent_chain: Any, task_id: str) -> bool:
+    """True when the message ``task_id``, carrying ``sent_chain``, is the next step of the
+    delivery's ``chain``. Celery 5.5 and later publish ``chain[-1]`` with ``chain[:-1]``
+    and leave the request's list alone; Celery 5.4 pops the step off that very list first
+    and publishes it with the same list object."""
+    if not isinstance(chain, list):
+        return False
+    if sent_chain is chain:
+        return True
+    step = chain[-1] if chain else None
+    options = step.get("options") if isinstance(step, dict) else None
+    return isinstance(options, dict) and options.get("task_id") == task_id
 
 
 def _keep(
