@@ -87,8 +87,12 @@ def on_finished(delivery: Delivery, claim: ClaimResult) -> Any:
                 return meta.get("result")
             return _replay_row(delivery, claim)
         return _result_of(delivery, claim)
-    if same and _celery_state(delivery, own_id) == states.FAILURE:
-        raise Ignore()
+    if same:
+        if _celery_state(delivery, own_id) in states.READY_STATES:
+            raise Ignore()
+        # The worker that ended the run may be storing its FAILURE right now (and
+        # calling link_error): reporting it too would call link_error twice.
+        _wait_for_its_worker(delivery, claim)
     raise _failure_of(delivery, claim)
 
 
@@ -150,14 +154,7 @@ def _replay_own(delivery: Delivery, claim: ClaimResult) -> Any:
 def _replay_row(delivery: Delivery, claim: ClaimResult) -> Any:
     """The row's kept result for the run's own task id, or RunFailed saying why there is none."""
     own_id = delivery.request.id
-    found = _row_outcome(delivery, claim.run_id)
-    if found is not None and delivery.request.retries < RESULT_WAIT_TRIES:
-        grace = max(REPLAY_GRACE_SECONDS, delivery.config.lease_seconds)
-        left = _grace_left(delivery, found, grace)
-        if left > 0:
-            # The run ended lately: the worker that ran it may be storing the
-            # result right now (a redelivery racing it). Look again after that.
-            reschedule(delivery, max(left, REPLAY_GRACE_SECONDS / 2), Ignore())
+    found = _wait_for_its_worker(delivery, claim)
     if not _asked(delivery):
         raise Ignore()  # nobody can ask for the result: nothing to resolve
     if found is None or not found.has_result():
@@ -181,6 +178,21 @@ def _replay_row(delivery: Delivery, claim: ClaimResult) -> Any:
         own_id,
     )
     return result
+
+
+def _wait_for_its_worker(delivery: Delivery, claim: ClaimResult) -> Outcome | None:
+    """The run's row as an :class:`Outcome` (None when unreadable), once it ended at least
+    ``lease_seconds`` ago (:data:`REPLAY_GRACE_SECONDS` at least): before that, the
+    worker that ended it may be storing its outcome in Celery right now (a redelivery
+    racing it), so this delivery is sent again to look after that (Celery's ``Ignore``),
+    :data:`RESULT_WAIT_TRIES` times at most."""
+    found = _row_outcome(delivery, claim.run_id)
+    if found is not None and delivery.request.retries < RESULT_WAIT_TRIES:
+        grace = max(REPLAY_GRACE_SECONDS, delivery.config.lease_seconds)
+        left = _grace_left(delivery, found, grace)
+        if left > 0:
+            reschedule(delivery, max(left, REPLAY_GRACE_SECONDS / 2), Ignore())
+    return found
 
 
 def _asked(delivery: Delivery) -> bool:
